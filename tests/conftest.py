@@ -1,0 +1,44 @@
+"""Shared fixtures: a randomly initialised Qwen2.5-shaped model with the real Qwen2.5 tokenizer."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("QERL_SHARED", REPO.parent / "shared"))
+TOKENIZER_DIR = SHARED / "tokenizers" / "qwen2.5"
+DATA_DIR = SHARED / "data"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    if not TOKENIZER_DIR.exists():
+        pytest.skip(f"tokenizer not found at {TOKENIZER_DIR}")
+    return TOKENIZER_DIR
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A saved tiny Qwen2 model (2 layers, hidden 128, head_dim 64) + the real tokenizer, float32."""
+    from qerl.resources import build_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny_qwen")
+    build_tiny_model(out, tokenizer_dir, seed=0)
+    return out
