@@ -1,0 +1,86 @@
+"""The single dispatch point for matmuls against packed FP4 weights.
+
+`fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias)` = x @ deq(W).T (+ bias), and
+`fp4_matmul_t(grad_out, ...)` = grad_out @ deq(W) (the input gradient). On CUDA they call the Triton kernels of
+`qerl.quant.triton_fp4` (`_triton_fp4_matmul`, `_triton_fp4_matmul_t`) when that module imports; everywhere else a
+plain-torch reference dequantizes a block of output rows at a time, so no full dense copy of W ever exists.
+
+    from qerl.quant.kernels import fp4_matmul
+    y = fp4_matmul(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, layer.bias)
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from qerl.quant.format import dequantize
+
+# Elements of W dequantized at once by the reference path (16 MiB in float32): bounds the transient memory.
+CHUNK_ELEMENTS = 1 << 22
+
+
+@functools.cache
+def _triton_kernel(name: str):
+    """The Triton entry point `name`, or None when Triton or the kernel module is unavailable (CPU images)."""
+    try:
+        from qerl.quant import triton_fp4
+    except Exception:  # ImportError, or Triton failing to initialise without a driver
+        return None
+    return getattr(triton_fp4, name, None)
+
+
+def _use_triton(x: torch.Tensor, weight_scale: torch.Tensor, name: str):
+    """Triton only covers NVFP4 (FP8 scales) on CUDA; MXFP4 and CPU tensors take the reference path."""
+    if not x.is_cuda or weight_scale.dtype != torch.float8_e4m3fn:
+        return None
+    return _triton_kernel(name)
+
+
+def _row_chunks(n_rows: int, n_cols: int):
+    step = max(1, CHUNK_ELEMENTS // max(1, n_cols))
+    for start in range(0, n_rows, step):
+        yield start, min(n_rows, start + step)
+
+
+def _dequant_rows(weight_packed, weight_scale, weight_global_scale, start, stop, dtype):
+    return dequantize(weight_packed[start:stop], weight_scale[start:stop], weight_global_scale, dtype)
+
+
+def reference_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None):
+    """x @ deq(W).T (+bias) in x.dtype, dequantizing CHUNK_ELEMENTS of W at a time."""
+    n_out, n_in = weight_packed.shape[0], weight_packed.shape[1] * 2
+    out = x.new_empty(*x.shape[:-1], n_out)
+    for start, stop in _row_chunks(n_out, n_in):
+        w = _dequant_rows(weight_packed, weight_scale, weight_global_scale, start, stop, x.dtype)
+        out[..., start:stop] = F.linear(x, w)
+    if bias is not None:
+        out += bias.to(out.dtype)
+    return out
+
+
+def reference_fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale):
+    """grad_out @ deq(W) in grad_out.dtype, accumulated over blocks of W's rows."""
+    n_out, n_in = weight_packed.shape[0], weight_packed.shape[1] * 2
+    grad_in = grad_out.new_zeros(*grad_out.shape[:-1], n_in)
+    for start, stop in _row_chunks(n_out, n_in):
+        w = _dequant_rows(weight_packed, weight_scale, weight_global_scale, start, stop, grad_out.dtype)
+        grad_in += grad_out[..., start:stop] @ w
+    return grad_in
+
+
+def fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None):
+    """x (..., K) @ deq(W).T -> (..., N) (+ bias): Triton on CUDA when available, the torch reference otherwise."""
+    kernel = _use_triton(x, weight_scale, "_triton_fp4_matmul")
+    if kernel is not None:
+        return kernel(x, weight_packed, weight_scale, weight_global_scale, bias)
+    return reference_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias)
+
+
+def fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale):
+    """grad_out (..., N) @ deq(W) -> (..., K), the input gradient of fp4_matmul."""
+    kernel = _use_triton(grad_out, weight_scale, "_triton_fp4_matmul_t")
+    if kernel is not None:
+        return kernel(grad_out, weight_packed, weight_scale, weight_global_scale)
+    return reference_fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale)
