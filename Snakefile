@@ -1,0 +1,35 @@
+# qerl: quantize -> train (GRPO + AQN on NVFP4) -> merge -> evaluate, one {experiment} per config entry.
+#   snakemake --cores 1                               # the offline demo (config: default_target)
+#   snakemake --cores 1 results/qwen7b/eval.json      # one experiment
+#   snakemake --profile workflow/profiles/slurm all_experiments
+from snakemake.utils import min_version, validate
+
+min_version("8.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/resources.smk"
+include: "workflow/rules/quantize.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/merge.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/tables.smk"
+
+
+rule all:
+    input:
+        eval_json(CFG.default_target),
+    default_target: True
+
+
+rule all_experiments:
+    input:
+        [eval_json(name) for name in CFG.experiments],

@@ -1,0 +1,268 @@
+"""Typed experiment config: the single source of truth for config/config.yaml and its JSON Schema.
+
+    python -m qerl.config schema > workflow/schemas/config.schema.yaml   # regenerate the schema
+    python -m qerl.config check config/config.yaml                       # validate, one line per problem
+
+Knob names follow TRL where TRL has one (num_generations, beta, epsilon, epsilon_high, loss_type,
+max_completion_length, learning_rate, lora_r, lora_alpha); AQN uses the paper's (sigma_start, sigma_end,
+num_stages). Every section forbids unknown keys, so a typo fails at parse time with the key's dotted path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from qerl.errors import QerlError
+
+QuantScheme = Literal["nvfp4", "nvfp4-awq", "mxfp4", "bf16", "nf4"]
+TrainMode = Literal["qlora_fp4", "lora", "qlora_nf4", "full"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class QuantizeConfig(_Section):
+    scheme: QuantScheme = Field("nvfp4", description="nvfp4 (data-free RTN), nvfp4-awq, mxfp4, bf16 or nf4")
+    calibration_samples: int = Field(64, ge=1, description="prompts used to calibrate nvfp4-awq")
+    max_seq_length: int = Field(512, ge=16, description="calibration sequence length")
+
+
+class DataConfig(_Section):
+    source: str = Field(..., description="hub dataset name, or a local .jsonl/.json/.parquet file or directory")
+    config_name: str | None = Field(None, description="hub dataset config, e.g. 'main' for openai/gsm8k")
+    split: str = "train"
+    question_field: str | None = Field(None, description="None: detected from the known formats")
+    answer_field: str | None = None
+    answer_kind: Literal["gsm8k", "math", "aime", "amc", "numeric"] = "gsm8k"
+    template: str = Field("qerl_think", description="qerl_think, boxed, answer_line, or a string with {question}")
+    limit: int | None = Field(None, ge=1, description="use only the first N records")
+
+
+class LoraSection(_Section):
+    lora_r: int = Field(32, ge=1)
+    lora_alpha: int = Field(64, ge=1)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class AQNConfig(_Section):
+    schedule: Literal["exponential", "linear", "cosine", "constant", "none"] = "exponential"
+    sigma_start: float = Field(1e-2, gt=0)
+    sigma_end: float = Field(5e-4, gt=0)
+    num_stages: int = Field(10, ge=2, description="K equal stages over the run; stage 0 is noise-free")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["torch", "vllm"] = "torch"
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    stop: list[str] = []
+    gpu_memory_utilization: float = Field(0.35, gt=0.0, le=1.0, description="vllm only")
+
+
+class TrainConfig(_Section):
+    mode: TrainMode = Field("qlora_fp4", description="qlora_fp4 (QeRL), lora (16-bit), qlora_nf4, full")
+    data: DataConfig
+    rewards: list[str] = Field(["correctness", "format"], description="builtin names or dotted import paths")
+    reward_weights: list[float] | None = None
+    num_generations: int = Field(8, ge=2, description="G: completions per prompt")
+    batch_size: int = Field(8, ge=1, description="prompts per step (the paper's batch)")
+    micro_batch_size: int = Field(8, ge=1, description="completions per forward/backward (grad accumulation)")
+    max_steps: int | None = Field(None, ge=1, description="None: num_train_epochs over the dataset")
+    num_train_epochs: float = Field(1.0, gt=0)
+    num_iterations: int = Field(1, ge=1, description="policy updates per rollout batch (mu)")
+    learning_rate: float = Field(1e-5, gt=0)
+    lr_scheduler_type: Literal["cosine", "constant", "linear"] = "cosine"
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    beta: float = Field(0.0, ge=0.0, description="k3 KL coefficient against the base (adapter disabled)")
+    epsilon: float = Field(0.2, gt=0)
+    epsilon_high: float = Field(0.28, gt=0)
+    mask_truncated_completions: bool = False
+    max_prompt_length: int = Field(512, ge=8)
+    max_completion_length: int = Field(1024, ge=1)
+    logprob_chunk_size: int = Field(1024, ge=16, description="tokens per lm_head chunk (no B*T*V logits)")
+    gradient_checkpointing: bool = False
+    train_norms: bool = Field(False, description="also train RMSNorm scales (the original scripts do)")
+    rollout_correction: Literal["none", "tis"] = "none"
+    tis_cap: float = Field(2.0, gt=1.0)
+    aqn: AQNConfig | None = Field(default_factory=AQNConfig, description="null disables noise")
+    lora: LoraSection = Field(default_factory=LoraSection)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    save_steps: int = Field(50, ge=1)
+    logging_steps: int = Field(1, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        if self.epsilon_high < self.epsilon:
+            raise ValueError("epsilon_high must be >= epsilon")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError("reward_weights needs one weight per entry of rewards")
+        if (self.batch_size * self.num_generations) % self.micro_batch_size:
+            raise ValueError("micro_batch_size must divide batch_size * num_generations")
+        return self
+
+
+class BenchmarkEntry(_Section):
+    name: str = Field(..., description="gsm8k, math500, aime24, aime25, amc23, demo")
+    source: str | None = Field(None, description="local file or hub name overriding the registry")
+    k: int | None = Field(None, ge=1, description="samples per problem for pass@1 (None: registry default)")
+
+
+class EvalConfig(_Section):
+    benchmarks: list[BenchmarkEntry]
+    data_dir: str | None = Field(None, description="folder with <benchmark>/test.jsonl; None: hub names")
+    variants: list[Literal["trained", "base", "quantized_base"]] = ["trained", "base"]
+    greedy: bool = True
+    sampled: bool = True
+    temperature: float = Field(0.6, gt=0.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(4096, ge=1)
+    template: str | None = Field(None, description="None: the training template")
+    batch_size: int = Field(64, ge=1, description="prompts per generate call")
+    limit: int | None = Field(None, ge=1, description="evaluate only the first N problems (smoke tests)")
+    engine: Literal["torch", "vllm"] = "torch"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    seed: int = 0
+
+
+class MergeConfig(_Section):
+    requantize: QuantScheme | None = Field(None, description="re-quantize the merged model for 4-bit serving")
+
+
+class ExperimentConfig(_Section):
+    model: str = Field(..., description="hub name, local directory, or resources/<name> built by a rule")
+    row: str | None = Field(None, description="row key in the paper's tables, e.g. 'nvfp4_lora_aqn'")
+    model_size: str | None = Field(None, description="e.g. 7B; selects the table column and resources")
+    quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
+    train: TrainConfig
+    merge: MergeConfig = Field(default_factory=MergeConfig)
+    eval: EvalConfig
+
+    @model_validator(mode="after")
+    def _mode_needs_scheme(self):
+        fp4 = self.quantize.scheme in ("nvfp4", "nvfp4-awq", "mxfp4")
+        if self.train.mode == "qlora_fp4" and not fp4:
+            raise ValueError("train.mode qlora_fp4 needs quantize.scheme nvfp4, nvfp4-awq or mxfp4")
+        if self.train.mode == "qlora_nf4" and self.quantize.scheme != "nf4":
+            raise ValueError("train.mode qlora_nf4 needs quantize.scheme nf4")
+        return self
+
+
+class MlflowConfig(_Section):
+    tracking_uri: str | None = Field(None, description="None: sqlite file under results/; env var wins")
+    experiment_name: str = "qerl"
+
+
+class Config(_Section):
+    default_target: str = Field("demo", description="experiment built by `snakemake` with no target")
+    results_dir: str = "results"
+    python: str | None = Field(None, description="interpreter for the stages; None: the one running snakemake")
+    vllm_python: str | None = Field(None, description="interpreter of the vLLM environment (engine: vllm)")
+    tokenizer_dir: str = Field("../shared/tokenizers/qwen2.5", description="tokenizer of resources/tiny-qwen2")
+    data_dir: str = Field("../shared/data", description="local benchmark files (<name>/test.jsonl)")
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    experiments: dict[str, ExperimentConfig]
+
+    @model_validator(mode="after")
+    def _default_exists(self):
+        if self.default_target not in self.experiments:
+            raise ValueError(f"default_target '{self.default_target}' is not an experiment")
+        return self
+
+
+STAGE_MODELS: dict[str, type[BaseModel]] = {
+    "quantize": QuantizeConfig, "train": TrainConfig, "merge": MergeConfig, "eval": EvalConfig,
+}
+
+
+def _one_line(err: ValidationError, where: str) -> str:
+    e = err.errors()[0]
+    path = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+    msg = e["msg"].replace("Value error, ", "")
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{where}: {path or '<root>'}: {msg}{more}"
+
+
+def parse_config(data: dict[str, Any], where: str = "config") -> Config:
+    """Validate a whole config mapping; raise QerlError naming the first bad key."""
+    data = {k: v for k, v in data.items() if not str(k).startswith("_")}  # _name: YAML anchor holders
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise QerlError(_one_line(err, where)) from None
+
+
+def parse_section(kind: str, data: dict[str, Any] | str, where: str = "stage config") -> BaseModel:
+    """Validate one stage's section (what a rule passes as --config-json)."""
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as err:
+            raise QerlError(f"{where}: not valid JSON ({err.msg} at char {err.pos})") from None
+    try:
+        return STAGE_MODELS[kind].model_validate(data)
+    except ValidationError as err:
+        raise QerlError(_one_line(err, f"{where} [{kind}]")) from None
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise QerlError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise QerlError(f"{path}: not valid YAML: {str(err).splitlines()[0]}") from None
+    return parse_config(data or {}, where=str(path))
+
+
+def section_json(exp: ExperimentConfig, kind: str) -> str:
+    """The JSON a rule passes to a stage CLI: only that stage's section, so other edits don't rerun it."""
+    section = exp.eval if kind == "eval" else getattr(exp, kind)
+    return json.dumps(section.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def json_schema() -> dict[str, Any]:
+    schema = Config.model_json_schema()
+    schema["$schema"] = "http://json-schema.org/draft-07/schema#"
+    schema["patternProperties"] = {"^_": {}}  # top-level _name keys only hold YAML anchors
+    schema["description"] = "qerl experiment config (generated by `python -m qerl.config schema`)"
+    return schema
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m qerl.config", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("schema", help="print the JSON Schema as YAML")
+    c = sub.add_parser("check", help="validate a config file")
+    c.add_argument("path")
+    a = p.parse_args(argv)
+    if a.cmd == "schema":
+        yaml.safe_dump(json_schema(), sys.stdout, sort_keys=False)
+        return
+    try:
+        cfg = load_config(a.path)
+    except QerlError as err:
+        sys.exit(f"error: {err}")
+    print(f"ok: {len(cfg.experiments)} experiments")
+
+
+if __name__ == "__main__":
+    main()

