@@ -1,0 +1,247 @@
+"""Datasets and prompts: load question/answer records, build chat prompts, write the demo task.
+
+    python -m qerl.data demo --out resources/demo_task          # train.jsonl + test.jsonl of small subtractions
+
+`load_records` reads a local .jsonl/.json/.parquet file (or a directory holding `{split}.*`) or a hub dataset
+through `datasets.load_dataset`, and returns plain dicts {id, question, answer} so that every later stage sees one
+format whatever the source (GSM8K question/answer, MATH problem/solution|answer, AIME/AMC problem/answer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any, Iterable
+
+from qerl.errors import QerlError
+
+log = logging.getLogger(__name__)
+
+QUESTION_FIELDS = ("question", "problem", "prompt", "query", "input")
+# "answer" before "solution": a short final answer grades faster and more reliably than a worked solution.
+ANSWER_FIELDS = ("answer", "final_answer", "solution", "target", "output")
+ID_FIELDS = ("id", "unique_id", "index", "idx")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+# The paper (appendix E) appends this instruction to each problem.
+QERL_THINK_SUFFIX = (
+    "Solve the following math problem step by step. The reasoning process and direct answer are enclosed within "
+    "<think> </think> and <answer> </answer> tags, respectively, i.e., <think> reasoning process here </think> "
+    "<answer> answer here </answer>: <think> ...</think> <answer> ... </answer>."
+)
+BOXED_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+ANSWER_LINE_SUFFIX = "Give only the final answer in the form 'Answer: N'."
+TEMPLATES = ("qerl_think", "boxed", "answer_line")
+
+
+# ------------------------------------------------------------------------------------------ loading
+def _read_local_file(path: Path) -> list[dict]:
+    """Rows of one local file; JSON errors name the file and line."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise QerlError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        rows = doc.get("data", doc.get("rows")) if isinstance(doc, dict) else doc
+        if not isinstance(rows, list):
+            raise QerlError(f"{path}: expected a JSON list of records (or {{'data': [...]}})")
+        return rows
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise QerlError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+    return rows
+
+
+def _local_split_file(directory: Path, split: str) -> Path:
+    """`{split}.jsonl|json|parquet` in a directory, or the one `{split}-*` / `data/{split}-*` parquet shard set."""
+    for suffix in LOCAL_SUFFIXES:
+        if (directory / f"{split}{suffix}").is_file():
+            return directory / f"{split}{suffix}"
+    shards = sorted(directory.glob(f"{split}-*.parquet")) + sorted(directory.glob(f"data/{split}-*.parquet"))
+    if shards:
+        return shards[0] if len(shards) == 1 else directory
+    present = sorted(p.name for p in directory.iterdir())
+    raise QerlError(f"{directory}: no file for split {split!r} (expected {split}.jsonl, {split}.json or "
+                    f"{split}.parquet); present: {', '.join(present) or 'nothing'}")
+
+
+def _read_source(source: str | Path, split: str, config_name: str | None) -> tuple[list[dict], str]:
+    path = Path(source)
+    if path.is_dir():
+        target = _local_split_file(path, split)
+        if target == path:  # several parquet shards
+            files = sorted(path.glob(f"{split}-*.parquet")) + sorted(path.glob(f"data/{split}-*.parquet"))
+            return [row for f in files for row in _read_local_file(f)], str(path)
+        return _read_local_file(target), str(target)
+    if path.is_file():
+        if path.suffix not in LOCAL_SUFFIXES:
+            raise QerlError(f"{path}: unsupported data file type {path.suffix!r}; expected .jsonl, .json or .parquet")
+        return _read_local_file(path), str(path)
+    if str(source).endswith(LOCAL_SUFFIXES) or str(source).startswith((".", "/")):
+        raise QerlError(f"data file {source} does not exist")
+    return _read_hub(str(source), split, config_name), f"{source}[{split}]"
+
+
+def _read_hub(name: str, split: str, config_name: str | None) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, config_name, split=split)
+    except Exception as exc:  # offline, unknown name, unknown split: one line, the library's reason
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise QerlError(f"dataset {name!r} (config {config_name!r}, split {split!r}) could not be loaded: "
+                        f"{reason}") from None
+    return ds.to_list()
+
+
+def _pick_field(rows: list[dict], given: str | None, candidates: Iterable[str], role: str, where: str) -> str:
+    present = list(rows[0].keys())
+    if given is not None:
+        if given not in rows[0]:
+            raise QerlError(f"{where}: {role} field {given!r} not found; fields present: {', '.join(present)}")
+        return given
+    for name in candidates:
+        if name in rows[0]:
+            return name
+    raise QerlError(f"{where}: no {role} field (tried {', '.join(candidates)}); fields present: "
+                    f"{', '.join(present)}; set {role}_field")
+
+
+def _answer_str(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))  # AMC stores 27.0
+    return str(value).strip()
+
+
+def load_records(source: str | Path, *, split: str = "train", question_field: str | None = None,
+                 answer_field: str | None = None, config_name: str | None = None,
+                 limit: int | None = None) -> list[dict]:
+    """[{id, question, answer}] from a local file/directory or a hub dataset; records with an empty answer dropped."""
+    rows, where = _read_source(source, split, config_name)
+    if not rows:
+        raise QerlError(f"{where}: the dataset is empty")
+    q_field = _pick_field(rows, question_field, QUESTION_FIELDS, "question", where)
+    a_field = _pick_field(rows, answer_field, ANSWER_FIELDS, "answer", where)
+    id_field = next((f for f in ID_FIELDS if f in rows[0]), None)
+    records, n_empty = [], 0
+    for i, row in enumerate(rows):
+        if q_field not in row or a_field not in row:
+            missing = q_field if q_field not in row else a_field
+            raise QerlError(f"{where}: record {i} has no field {missing!r}; fields present: {', '.join(row)}")
+        answer = _answer_str(row[a_field])
+        if not answer:
+            n_empty += 1
+            continue
+        rec_id = row.get(id_field) if id_field else None
+        records.append({"id": str(rec_id if rec_id is not None else i), "question": str(row[q_field]),
+                        "answer": answer})
+        if limit is not None and len(records) >= limit:
+            break
+    if n_empty:
+        log.warning("%s: dropped %d record(s) with an empty %r", where, n_empty, a_field)
+    if not records:
+        raise QerlError(f"{where}: no record has a non-empty {a_field!r}")
+    return records
+
+
+# ------------------------------------------------------------------------------------------ prompts
+def prompt_messages(question: str, template: str) -> list[dict]:
+    """Chat messages for one question under a named template or a custom string containing {question}."""
+    if template == "qerl_think":
+        return [{"role": "user", "content": f"{question}\n{QERL_THINK_SUFFIX}"}]
+    if template == "boxed":
+        return [{"role": "system", "content": BOXED_SYSTEM}, {"role": "user", "content": question}]
+    if template == "answer_line":
+        return [{"role": "user", "content": f"{question}\n{ANSWER_LINE_SUFFIX}"}]
+    if "{question}" not in template:
+        raise QerlError(f"prompt template {template[:60]!r} is neither one of {', '.join(TEMPLATES)} "
+                        "nor a string containing {question}")
+    # str.replace, not str.format: templates may contain LaTeX braces such as \boxed{}.
+    return [{"role": "user", "content": template.replace("{question}", question)}]
+
+
+def build_prompt(tokenizer, question: str, template: str = "qerl_think") -> str:
+    """The prompt text, rendered with the tokenizer's own chat template, ending where the assistant starts."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise QerlError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template")
+    return tokenizer.apply_chat_template(prompt_messages(question, template), tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def encode_prompts(tokenizer, questions: list[str], template: str = "qerl_think") -> list[list[int]]:
+    """Token ids per prompt. The chat template already holds the special tokens, so none are added again."""
+    return [tokenizer(build_prompt(tokenizer, q, template), add_special_tokens=False)["input_ids"]
+            for q in questions]
+
+
+# ------------------------------------------------------------------------------------------ demo task
+# a in 5..29 and 0 <= b <= a give 450 distinct pairs (a in 5..20 would give only 216 with b >= 0, 136 with
+# b >= 5): enough for a 150-item test set that never appears in the 300-item train set.
+DEMO_A_RANGE = (5, 29)
+DEMO_N_TEST = 150
+
+
+def demo_pairs() -> list[tuple[int, int]]:
+    lo, hi = DEMO_A_RANGE
+    return [(a, b) for a in range(lo, hi + 1) for b in range(0, a + 1)]
+
+
+def _demo_record(split: str, i: int, a: int, b: int) -> dict:
+    return {"id": f"demo-{split}-{i:04d}", "question": f"What is {a} - {b}?", "answer": str(a - b)}
+
+
+def make_demo_task(out_dir: str | Path, *, seed: int = 0, n_train: int | None = None,
+                   n_test: int = DEMO_N_TEST) -> dict[str, Path]:
+    """Write train.jsonl / test.jsonl of "What is a - b?" with disjoint (a, b) pairs, same files for the same seed."""
+    pairs = demo_pairs()
+    n_train = len(pairs) - n_test if n_train is None else n_train
+    if n_test < 1 or n_train < 1 or n_train + n_test > len(pairs):
+        raise QerlError(f"demo task: n_train={n_train} + n_test={n_test} must be positive and at most "
+                        f"{len(pairs)} (distinct pairs with a in {DEMO_A_RANGE}, 0 <= b <= a)")
+    random.Random(seed).shuffle(pairs)
+    splits = {"test": pairs[:n_test], "train": pairs[n_test:n_test + n_train]}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, split_pairs in splits.items():
+        paths[split] = out / f"{split}.jsonl"
+        lines = [json.dumps(_demo_record(split, i, a, b)) for i, (a, b) in enumerate(split_pairs)]
+        paths[split].write_text("\n".join(lines) + "\n", encoding="utf-8")
+    meta = {"seed": seed, "a_range": list(DEMO_A_RANGE), "b_range": "0..a", "n_train": n_train, "n_test": n_test}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qerl.data", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="write the demo subtraction task")
+    demo.add_argument("--out", required=True, help="output directory (train.jsonl, test.jsonl, meta.json)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--n-train", type=int, default=None)
+    demo.add_argument("--n-test", type=int, default=DEMO_N_TEST)
+    args = parser.parse_args(argv)
+    try:
+        paths = make_demo_task(args.out, seed=args.seed, n_train=args.n_train, n_test=args.n_test)
+    except QerlError as exc:
+        print(f"error: {exc}")
+        return 2
+    print(" ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
