@@ -1,0 +1,134 @@
+"""Stage 4: evaluate the trained (merged) model, the base and the quantized base on the configured benchmarks.
+
+    python -m qerl.evaluate --experiment demo --trained results/demo/merged --quantized results/demo/quantized \
+        --base resources/smollm2-135m-instruct --data-dir ../shared/data --out results/demo/eval.json \
+        --config config/config.yaml
+
+Per benchmark and variant: greedy accuracy and/or sampled pass@1 over k samples, with standard error and a 95%
+interval, mean response length and truncation count (eval.json, validated against
+workflow/schemas/eval.schema.json), and per-problem records (JSONL, logged to MLflow).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from qerl.errors import QerlError
+from qerl.stage import default_run_file, load_section, run_main, stage_parser
+
+log = logging.getLogger("qerl.evaluate")
+
+
+def load_for_eval(path: str, dtype: str):
+    """A dense HF model, or the packed FP4 model for a compressed-tensors checkpoint (never a bf16 copy)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qerl.quant.loader import is_quantized_checkpoint, load_quantized_model
+    from qerl.trainer import resolve_device_dtype
+
+    device, torch_dtype = resolve_device_dtype(dtype)
+    p = Path(path)
+    if p.exists() and not list(p.glob("*.safetensors")) and not list(p.glob("*.bin")):
+        raise QerlError(f"model directory {path} has no weights (*.safetensors or *.bin)")
+    if p.exists() and is_quantized_checkpoint(p):
+        model = load_quantized_model(p, dtype=torch_dtype, device=device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _records(entry, data_dir: str | None, limit: int | None):
+    from qerl.benchmarks import get_spec, load_benchmark
+    from qerl.data import load_records
+
+    spec = get_spec(entry.name)
+    if entry.source:
+        recs = load_records(entry.source, split="test", question_field=spec.question_field,
+                            answer_field=spec.answer_field, limit=limit)
+        return spec, recs
+    return load_benchmark(entry.name, data_dir, limit=limit)
+
+
+def _modes(cfg, spec, entry):
+    from qerl.rollout import SamplingParams
+
+    if cfg.greedy:
+        yield "greedy", 1, SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    if cfg.sampled:
+        yield "sampled", entry.k or spec.k, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                                           max_tokens=cfg.max_new_tokens, seed=cfg.seed)
+
+
+def evaluate_variant(variant: str, path: str, cfg, data_dir, records_dir: Path, run) -> dict:
+    from qerl.evaluation import benchmark_entry, evaluate_benchmark, result_key
+    from qerl.rollout import make_engine
+
+    model, tok = load_for_eval(path, cfg.dtype)
+    engine = make_engine(cfg.engine, model, tok)
+    results = {}
+    for entry in cfg.benchmarks:
+        spec, records = _records(entry, data_dir, cfg.limit)
+        template = cfg.template or spec.template
+        for mode, k, sampling in _modes(cfg, spec, entry):
+            t0 = time.perf_counter()
+            summary, per_problem = evaluate_benchmark(engine, tok, records, kind=spec.kind, template=template,
+                                                      sampling=sampling, k=k, batch_size=cfg.batch_size)
+            key = result_key(entry.name, variant, mode)
+            rec_path = records_dir / f"{key.replace('/', '_')}.jsonl"
+            rec_path.parent.mkdir(parents=True, exist_ok=True)
+            rec_path.write_text("".join(json.dumps(r) + "\n" for r in per_problem))
+            results[key] = benchmark_entry(summary, benchmark=entry.name, variant=variant, model_path=path,
+                                           per_problem_path=str(rec_path), seconds=time.perf_counter() - t0)
+            tag = key.replace("/", ".")
+            run.log_metrics({f"{tag}.accuracy": summary["accuracy"], f"{tag}.stderr": summary["stderr"],
+                             f"{tag}.mean_response_tokens": summary["mean_response_tokens"]})
+            run.log_artifact(rec_path, artifact_path="per_problem")
+            log.info("%s: %.4f +- %.4f (%d problems, k=%d)", key, summary["accuracy"], summary["stderr"],
+                     summary["n_problems"], summary["k"])
+    engine.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = stage_parser("python -m qerl.evaluate", __doc__)
+    p.add_argument("--trained", required=True, help="merged checkpoint (results/<exp>/merged)")
+    p.add_argument("--base", help="base model (hub name or dir) for the 'base' variant")
+    p.add_argument("--quantized", help="quantized base for the 'quantized_base' variant")
+    p.add_argument("--data-dir", help="folder holding <benchmark>/test.jsonl")
+    p.add_argument("--out", required=True, help="eval.json path")
+    args = p.parse_args(argv)
+    cfg = load_section(args, "eval")
+    paths = {"trained": args.trained, "base": args.base, "quantized_base": args.quantized}
+    for variant in cfg.variants:
+        if not paths[variant]:
+            raise QerlError(f"eval.variants has '{variant}' but no --{variant.split('_')[0]} path was given")
+    data_dir = cfg.data_dir or args.data_dir
+    for entry in cfg.benchmarks:  # fail on a bad benchmark before loading any model
+        _records(entry, data_dir, 1)
+
+    from qerl.evaluation import validate_eval
+    from qerl.io import atomic_write_json
+    from qerl.tracking import stage_run
+
+    out = Path(args.out)
+    records_dir = out.parent / "eval_records"
+    params = {**paths, **cfg.model_dump(mode="json")}
+    with stage_run(experiment=args.experiment, stage="evaluate", params=params,
+                   run_file=default_run_file(args, "evaluate"), results_dir=args.results_dir,
+                   upstream_run_file=args.upstream_run_file) as run:
+        results = {}
+        for variant in cfg.variants:
+            results.update(evaluate_variant(variant, paths[variant], cfg, data_dir, records_dir, run))
+        doc = {"experiment": args.experiment, "created": datetime.now(timezone.utc).isoformat(),
+               "model": {"path": args.trained, "base": args.base or "", "quantized": args.quantized or ""},
+               "engine": cfg.engine, "mlflow_run_id": run.run_id, "benchmarks": results}
+        atomic_write_json(out, validate_eval(doc))
+        run.log_artifact(out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    run_main(main)

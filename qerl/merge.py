@@ -1,0 +1,45 @@
+"""Stage 3: merge the LoRA adapter into the (dequantized) base; write a plain bf16 HF checkpoint.
+
+    python -m qerl.merge --experiment demo --base results/demo/quantized --adapter results/demo/adapter \
+        --out results/demo/merged --config config/config.yaml
+
+merge.json (inside the output) records max |merged - (deq(W) + B A * scale)| over all layers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from qerl.io import atomic_dir, atomic_write_json
+from qerl.stage import default_run_file, load_section, require_dir, run_main, stage_parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = stage_parser("python -m qerl.merge", __doc__)
+    p.add_argument("--base", required=True, help="the checkpoint training ran on (quantized or bf16)")
+    p.add_argument("--adapter", required=True, help="PEFT adapter directory written by qerl.train")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = p.parse_args(argv)
+    cfg = load_section(args, "merge")
+    require_dir(args.base, "--base")
+    require_dir(args.adapter, "--adapter", must_contain=())
+
+    import torch
+
+    from qerl.merging import merge_adapter
+    from qerl.tracking import stage_run
+
+    params = {"base": args.base, "adapter": args.adapter, "dtype": args.dtype, **cfg.model_dump(mode="json")}
+    with stage_run(experiment=args.experiment, stage="merge", params=params, run_file=default_run_file(args, "merge"),
+                   results_dir=args.results_dir, upstream_run_file=args.upstream_run_file) as run:
+        with atomic_dir(args.out) as tmp:
+            report = merge_adapter(args.base, args.adapter, tmp, dtype=getattr(torch, args.dtype),
+                                   requantize=cfg.requantize)
+            atomic_write_json(Path(tmp) / "merge.json", report)
+        run.log_metrics({k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        run.log_artifact(Path(args.out) / "merge.json")
+    print(f"merged {args.adapter} into {args.base} -> {args.out}")
+
+
+if __name__ == "__main__":
+    run_main(main)

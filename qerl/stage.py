@@ -1,0 +1,66 @@
+"""What every stage CLI shares: common arguments, loading its config section, one-line errors.
+
+A rule passes the stage's config section as JSON (--config-json); by hand, name the config file and the
+experiment instead (--config config/config.yaml --experiment demo).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel
+
+from qerl.config import load_config, parse_section
+from qerl.errors import QerlError
+
+
+def stage_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experiment", required=True, help="experiment name (tags the MLflow run)")
+    p.add_argument("--config-json", help="this stage's config section as JSON (what the rules pass)")
+    p.add_argument("--config", help="a config file to read the section from (by hand)")
+    p.add_argument("--run-file", help="where to write this stage's MLflow run id (default: beside --out)")
+    p.add_argument("--upstream-run-file", help="run id file of the stage that produced the input")
+    p.add_argument("--results-dir", default="results", help="holds the default MLflow store")
+    return p
+
+
+def load_section(args: argparse.Namespace, kind: str) -> BaseModel:
+    if args.config_json:
+        return parse_section(kind, args.config_json)
+    if not args.config:
+        raise QerlError("give --config-json or --config")
+    cfg = load_config(args.config)
+    if args.experiment not in cfg.experiments:
+        raise QerlError(f"{args.config}: no experiment '{args.experiment}' (have: {', '.join(cfg.experiments)})")
+    exp = cfg.experiments[args.experiment]
+    return exp.eval if kind == "eval" else getattr(exp, kind)
+
+
+def default_run_file(args: argparse.Namespace, stage: str) -> Path:
+    if args.run_file:
+        return Path(args.run_file)
+    return Path(args.results_dir) / args.experiment / "runs" / f"{stage}.json"
+
+
+def require_dir(path: str | Path, what: str, must_contain: tuple[str, ...] = ("config.json",)) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise QerlError(f"{what}: directory not found: {path}")
+    for name in must_contain:
+        if not (path / name).exists():
+            raise QerlError(f"{what}: {path} has no {name}")
+    return path
+
+
+def run_main(fn: Callable[[list[str] | None], None], argv: list[str] | None = None) -> None:
+    """Run a stage main; user mistakes end as one line on stderr and exit code 2."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        fn(argv)
+    except QerlError as err:
+        sys.stderr.write(f"error: {err}\n")
+        sys.exit(2)

@@ -1,0 +1,133 @@
+"""Stage 2: GRPO/DAPO training of LoRA adapters over the frozen (NVFP4) base, with AQN.
+
+    python -m qerl.train --experiment demo --model results/demo/quantized --out results/demo/adapter \
+        --checkpoint-dir results/demo/checkpoints --resume --config config/config.yaml
+
+Writes the PEFT adapter (or, for train.mode full, the whole model) plus trainer_state.json (log history),
+metrics.csv and training_curves.png; checkpoints every train.save_steps; --resume continues from the last one.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+
+from qerl.errors import QerlError
+from qerl.io import atomic_dir
+from qerl.stage import default_run_file, load_section, require_dir, run_main, stage_parser
+
+log = logging.getLogger("qerl.train")
+
+
+def _setup_data(cfg, tokenizer) -> tuple[list[list[int]], list[str]]:
+    from qerl.data import encode_prompts, load_records
+
+    d = cfg.data
+    records = load_records(d.source, split=d.split, question_field=d.question_field, answer_field=d.answer_field,
+                           config_name=d.config_name, limit=d.limit)
+    ids = encode_prompts(tokenizer, [r["question"] for r in records], d.template)
+    keep = [i for i, p in enumerate(ids) if len(p) <= cfg.max_prompt_length]
+    if len(keep) < len(ids):
+        log.warning("dropped %d prompt(s) longer than max_prompt_length=%d", len(ids) - len(keep),
+                    cfg.max_prompt_length)
+    return [ids[i] for i in keep], [records[i]["answer"] for i in keep]
+
+
+def _setup_rewards(cfg):
+    from qerl.rewards import get_reward_fn
+
+    weights = cfg.reward_weights or [1.0] * len(cfg.rewards)
+    return [(name.split(":")[-1].split(".")[-1], get_reward_fn(name), w) for name, w in zip(cfg.rewards, weights)]
+
+
+def _setup_model(cfg, model_dir: str):
+    from qerl.policy import LoraSpec, load_policy
+    from qerl.trainer import resolve_device_dtype
+
+    device, dtype = resolve_device_dtype(cfg.dtype)
+    lora = None if cfg.mode == "full" else LoraSpec(r=cfg.lora.lora_r, alpha=cfg.lora.lora_alpha,
+                                                    dropout=cfg.lora.lora_dropout,
+                                                    target_modules=tuple(cfg.lora.target_modules))
+    return load_policy(model_dir, mode=cfg.mode, dtype=dtype, device=device, lora=lora,
+                       train_norms=cfg.train_norms, gradient_checkpointing=cfg.gradient_checkpointing)
+
+
+def write_history(history: list[dict], out_dir: Path) -> None:
+    """metrics.csv (one row per step) and training_curves.png (reward, entropy, AQN sigma per step)."""
+    keys = sorted({k for row in history for k in row})
+    with open(out_dir / "metrics.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(history)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("reward", "reward"), ("entropy", "entropy"), ("aqn/sigma", "AQN sigma"),
+              ("completions/mean_length", "completion tokens")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3))
+    steps = [row["step"] for row in history]
+    for ax, (key, title) in zip(axes, panels):
+        ax.plot(steps, [row.get(key, float("nan")) for row in history])
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out_dir / "training_curves.png", dpi=100)
+    plt.close(fig)
+
+
+def save_outputs(trainer, tokenizer, cfg, out: str) -> None:
+    with atomic_dir(out) as tmp:
+        trainer.model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if cfg.train_norms and cfg.mode != "full":
+            from qerl.checkpoint import save_trained_norms
+            save_trained_norms(trainer.model, tmp)
+        state = {"total_steps": trainer.total_steps, "mode": cfg.mode, "log_history": trainer.log_history}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        write_history(trainer.log_history, tmp)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = stage_parser("python -m qerl.train", __doc__)
+    p.add_argument("--model", required=True, help="checkpoint to train on (results/<exp>/quantized)")
+    p.add_argument("--out", required=True, help="adapter output directory")
+    p.add_argument("--checkpoint-dir", help="default: <out>.checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint if there is one")
+    args = p.parse_args(argv)
+    cfg = load_section(args, "train")
+    require_dir(args.model, "--model")
+
+    import torch
+
+    from qerl.tracking import stage_run
+    from qerl.trainer import GRPOTrainer
+
+    torch.manual_seed(cfg.seed)
+    ckpt = Path(args.checkpoint_dir or f"{args.out}.checkpoints")
+    params = {"model": args.model, **cfg.model_dump(mode="json")}
+    with stage_run(experiment=args.experiment, stage="train", params=params, run_file=default_run_file(args, "train"),
+                   results_dir=args.results_dir, upstream_run_file=args.upstream_run_file) as run:
+        model, tokenizer = _setup_model(cfg, args.model)
+        prompts, answers = _setup_data(cfg, tokenizer)
+        trainer = GRPOTrainer(cfg, model, tokenizer, prompts, answers, _setup_rewards(cfg), checkpoint_dir=ckpt,
+                              log_metrics=lambda m, s: run.log_metrics(m, step=s))
+        if args.resume:
+            trainer.resume()
+        elif list_existing := [c for c in ckpt.glob("step-*")]:
+            raise QerlError(f"{ckpt} already holds {len(list_existing)} checkpoint(s): pass --resume or remove it")
+        history = trainer.train()
+        save_outputs(trainer, tokenizer, cfg, args.out)
+        out = Path(args.out)
+        for name in ("trainer_state.json", "metrics.csv", "training_curves.png"):
+            run.log_artifact(out / name)
+        run.log_artifact(out, artifact_path="adapter")
+        if history:
+            run.log_metrics({f"final/{k}": v for k, v in history[-1].items() if k != "step"})
+    print(f"trained {trainer.total_steps} steps -> {args.out}")
+
+
+if __name__ == "__main__":
+    run_main(main)

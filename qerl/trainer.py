@@ -1,0 +1,252 @@
+"""GRPO/DAPO trainer with Adaptive Quantization Noise, on torch + peft + transformers.
+
+One step: take `batch_size` prompts -> sample `num_generations` completions each from the rollout engine while
+AQN noise sits on the RMSNorm scales -> rewards -> group advantages -> (noise removed) clean log-probs chunk by
+chunk -> clipped token loss (+ TIS, + KL) -> LoRA update, `num_iterations` times per rollout batch.
+Metrics keep TRL's names. Everything random derives from (seed, step), so a resumed run equals an unbroken one.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from qerl.aqn import aqn_noise, aqn_sigma, aqn_stage
+from qerl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from qerl.config import TrainConfig
+from qerl.errors import QerlError
+from qerl.grpo import group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
+from qerl.rollout import SamplingParams, make_engine
+
+log = logging.getLogger("qerl.train")
+
+
+def resolve_device_dtype(dtype: str) -> tuple[str, torch.dtype]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        return device, torch.bfloat16 if device == "cuda" else torch.float32
+    return device, getattr(torch, dtype)
+
+
+def _step_seed(seed: int, step: int, salt: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + salt) % (2**31 - 1)
+
+
+@dataclass
+class Batch:
+    """One rollout batch as padded tensors (TRL layout: left-padded prompt, right-padded completion)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def completion_len(self) -> int:
+        return self.completion_mask.shape[1]
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: TrainConfig, model, tokenizer, prompts: list[list[int]], answers: list[str],
+                 reward_fns: list[tuple[str, Callable, float]], *, checkpoint_dir: str | Path,
+                 log_metrics: Callable[[dict[str, float], int], None] | None = None):
+        if len(prompts) == 0:
+            raise QerlError("train.data: no usable prompts (empty dataset, or all longer than max_prompt_length)")
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        self.prompts, self.answers, self.reward_fns = prompts, answers, reward_fns
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.log_metrics = log_metrics or (lambda m, s: None)
+        self.device = next(p for p in model.parameters()).device
+        self.total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * len(prompts) / cfg.batch_size)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise QerlError("model has no trainable parameters (check train.mode and lora settings)")
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        from transformers import get_scheduler
+
+        updates = self.total_steps * cfg.num_iterations
+        self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer,
+                                       num_warmup_steps=math.ceil(cfg.warmup_ratio * updates),
+                                       num_training_steps=updates)
+        self.engine = make_engine(cfg.rollout.engine, model, tokenizer)
+        self.step, self.log_history = 0, []
+        self._perms: dict[int, torch.Tensor] = {}
+
+    # ---- data order: a fixed permutation per epoch, position = step * batch_size ----
+    def batch_indices(self, step: int) -> list[int]:
+        n, out = len(self.prompts), []
+        for pos in range(step * self.cfg.batch_size, (step + 1) * self.cfg.batch_size):
+            epoch, offset = divmod(pos, n)
+            if epoch not in self._perms:
+                g = torch.Generator().manual_seed(self.cfg.seed + epoch)
+                self._perms = {epoch: torch.randperm(n, generator=g)}
+            out.append(int(self._perms[epoch][offset]))
+        return out
+
+    def sampling(self, step: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=tuple(r.stop),
+                              max_tokens=self.cfg.max_completion_length, seed=_step_seed(self.cfg.seed, step, 1))
+
+    def sigma(self, step: int) -> tuple[float, int]:
+        a = self.cfg.aqn
+        if a is None or a.schedule == "none":
+            return 0.0, 0
+        return (aqn_sigma(step, self.total_steps, sigma_start=a.sigma_start, sigma_end=a.sigma_end,
+                          num_stages=a.num_stages, schedule=a.schedule),
+                aqn_stage(step, self.total_steps, a.num_stages))
+
+    # ---- rollout ----
+    def rollout(self, step: int) -> Batch:
+        idx = self.batch_indices(step)
+        prompts = [self.prompts[i] for i in idx]
+        answers = [self.answers[i] for i in idx for _ in range(self.cfg.num_generations)]
+        sigma, stage = self.sigma(step)
+        t0 = time.perf_counter()
+        noise_gen = torch.Generator().manual_seed(_step_seed(self.cfg.seed, step, 2))
+        with aqn_noise(self.model, sigma, noise_gen) as noise:
+            out = self.engine.generate(prompts, n=self.cfg.num_generations, sampling=self.sampling(step))
+        t_rollout = time.perf_counter() - t0
+        texts = out.texts(self.tokenizer)
+        rewards, metrics = self.score(texts, answers)
+        adv = group_advantages(rewards, self.cfg.num_generations, self.cfg.scale_rewards)
+        batch = self.collate(out, adv)
+        lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float32)
+        grouped = rewards.view(-1, self.cfg.num_generations)
+        metrics.update({
+            "reward": rewards.mean().item(), "reward_std": grouped.std(dim=1).mean().item(),
+            "frac_reward_zero_std": (grouped.std(dim=1) == 0).float().mean().item(),
+            "completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": sum(r == "length" for r in out.finish_reasons) / len(texts),
+            "aqn/sigma": sigma, "aqn/stage": stage, "aqn/applied_rms": noise.applied_rms,
+            "timing/rollout": t_rollout, "rollout_tokens": float(lengths.sum()),
+        })
+        batch.metrics = metrics
+        self._last_texts = texts[: self.cfg.num_generations]
+        return batch
+
+    def score(self, texts: list[str], answers: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
+        total = torch.zeros(len(texts))
+        metrics = {}
+        for name, fn, weight in self.reward_fns:
+            values = torch.tensor(fn(texts, answers=answers, kind=self.cfg.data.answer_kind), dtype=torch.float32)
+            if values.shape != total.shape:
+                raise QerlError(f"reward '{name}' returned {values.numel()} values for {len(texts)} completions")
+            metrics[f"rewards/{name}/mean"] = values.mean().item()
+            total += weight * values
+        return total, metrics
+
+    def collate(self, out, advantages: torch.Tensor) -> Batch:
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        plen = max(len(p) for p in out.prompt_ids)
+        clen = max(1, max(len(c) for c in out.completion_ids))
+        rows = len(out.completion_ids)
+        ids = torch.full((rows, plen + clen), pad, dtype=torch.long)
+        attn = torch.zeros((rows, plen + clen), dtype=torch.long)
+        cmask = torch.zeros((rows, clen), dtype=torch.float32)
+        rlp = torch.zeros((rows, clen), dtype=torch.float32)
+        for i, (p, c, lp) in enumerate(zip(out.prompt_ids, out.completion_ids, out.logprobs)):
+            ids[i, plen - len(p):plen] = torch.tensor(p)
+            attn[i, plen - len(p):plen + len(c)] = 1
+            if c:
+                ids[i, plen:plen + len(c)] = torch.tensor(c)
+                rlp[i, :len(c)] = torch.tensor(lp, dtype=torch.float32)
+                keep = not (self.cfg.mask_truncated_completions and out.finish_reasons[i] == "length")
+                cmask[i, :len(c)] = float(keep)
+        dev = self.device
+        return Batch(ids.to(dev), attn.to(dev), cmask.to(dev), rlp.to(dev), advantages.to(dev))
+
+    # ---- update ----
+    def logprobs(self, batch: Batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(self.model, batch.input_ids[rows], batch.attention_mask[rows], batch.completion_len,
+                              temperature=max(self.cfg.rollout.temperature, 1e-6),
+                              chunk_size=self.cfg.logprob_chunk_size)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: Batch, rows: slice) -> torch.Tensor | None:
+        if self.cfg.beta == 0:
+            return None
+        if not hasattr(self.model, "disable_adapter"):
+            raise QerlError("train.beta > 0 needs a LoRA mode (the reference is the base with the adapter off)")
+        with self.model.disable_adapter():
+            return self.logprobs(batch, rows)[0]
+
+    def update(self, batch: Batch, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        rows_total = batch.input_ids.shape[0]
+        slices = [slice(i, i + cfg.micro_batch_size) for i in range(0, rows_total, cfg.micro_batch_size)]
+        n_tokens = batch.completion_mask.sum()
+        refs = [self.reference_logprobs(batch, s) for s in slices]
+        olds = [None] * len(slices)
+        if cfg.num_iterations > 1:
+            with torch.no_grad():
+                olds = [self.logprobs(batch, s)[0] for s in slices]
+        sums: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self.model.train()
+        for _ in range(cfg.num_iterations):
+            for s, old, ref in zip(slices, olds, refs):
+                lp, ent = self.logprobs(batch, s)
+                mask, metrics = batch.completion_mask[s], {}
+                is_w = None
+                if cfg.rollout_correction == "tis":
+                    base = lp.detach() if old is None else old
+                    is_w, metrics = tis_weights(base, batch.rollout_logprobs[s], mask, cap=cfg.tis_cap)
+                loss, lm = policy_loss(lp, old, batch.advantages[s], mask, loss_type=cfg.loss_type,
+                                       epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                                       ref_logprobs=ref, is_weights=is_w,
+                                       max_completion_length=cfg.max_completion_length,
+                                       num_items_in_batch=n_tokens, gradient_accumulation_steps=len(slices))
+                if not torch.isfinite(loss):
+                    raise QerlError(f"non-finite loss at step {step}; the last good checkpoint is "
+                                    f"{(list_checkpoints(self.checkpoint_dir) or ['none'])[-1]}")
+                loss.backward()
+                metrics.update(lm, loss=loss.detach(), entropy=masked_mean(ent, mask))
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) / (len(slices) * cfg.num_iterations)
+            sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.requires_grad], cfg.max_grad_norm))
+            sums["learning_rate"] = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        sums["loss"] *= len(slices)  # one update's loss is the sum over its micro-batches
+        sums["timing/update"] = time.perf_counter() - t0
+        return sums
+
+    # ---- loop ----
+    def resume(self) -> None:
+        found = list_checkpoints(self.checkpoint_dir)
+        if not found:
+            return
+        state = load_checkpoint(found[-1], self.model, self.optimizer, self.scheduler)
+        self.step, self.log_history = state["step"], state.get("log_history", [])
+        log.info("resumed from %s (step %d of %d)", found[-1], self.step, self.total_steps)
+
+    def train(self) -> list[dict[str, Any]]:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True)
+        while self.step < self.total_steps:
+            t0 = time.perf_counter()
+            batch = self.rollout(self.step)
+            metrics = {**batch.metrics, **self.update(batch, self.step)}
+            metrics["timing/step"] = time.perf_counter() - t0
+            metrics["tokens_per_second"] = metrics.pop("rollout_tokens") / max(metrics["timing/rollout"], 1e-9)
+            self.step += 1
+            self.log_history.append({"step": self.step, **metrics})
+            self.log_metrics(metrics, self.step)
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}", step_s=f"{metrics['timing/step']:.1f}")
+            bar.update(1)
+            if self.step % self.cfg.save_steps == 0 or self.step == self.total_steps:
+                save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer, self.scheduler,
+                                {"log_history": self.log_history, "total_steps": self.total_steps})
+        bar.close()
+        return self.log_history
