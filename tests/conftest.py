@@ -7,6 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# No model or dataset hub in tests: everything is built locally.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("QERL_SHARED", REPO.parent / "shared"))
 TOKENIZER_DIR = SHARED / "tokenizers" / "qwen2.5"
