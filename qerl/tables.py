@@ -1,0 +1,343 @@
+"""The paper's Tables 1-3 rebuilt from our runs, side by side with the paper's numbers, plus training curves.
+
+    python -m qerl.tables --experiments-json results/tables/experiments.json --out-dir results/tables
+
+experiments.json maps an experiment name to
+    {"row_key": "nvfp4_lora_aqn", "model_size": "7B", "eval_path": "results/qwen7b-nvfp4-lora-aqn/eval.json",
+     "bench_path": "results/bench/qwen7b-nvfp4.json" (optional, Table 3), "metrics_path": "...csv" (optional, plots)}
+row_key is one of qerl.paper.ROW_LABELS, or "demo" for the demo task (an extra row, not in the paper).
+
+A cell is filled only from a file that exists and validates; anything else reads "missing". No-training rows come
+from an experiment of that row key, or else from the "base" (bf16 row) / "quantized_base" (nf4, mxfp4, nvfp4 rows)
+results that a trained experiment of the same size and format evaluated alongside its trained model.
+Accuracies are shown in percent with the 95% interval of qerl.evaluation.pass_at_1_stats. Table 2's average of
+ours is the mean of the four benchmarks with a normal interval from their (independent) standard errors.
+
+bench json (Table 3; keys optional): {"model_size_gb": float, "rollout_tokens_per_s": {"2": float, "8": float},
+"e2e_step_seconds": {"2": float, "4": float, "8": float}}; our speedup = BF16-LoRA step time / this step time.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from qerl import paper
+from qerl.errors import QerlError
+from qerl.evaluation import Z95, find_result, load_eval_json
+
+MISSING = "missing"
+NOT_REPORTED = "not reported"
+BENCH_LABELS = {"gsm8k": "GSM8K", "math500": "MATH 500", "aime24": "AIME 24", "aime25": "AIME 25",
+                "amc23": "AMC 23", "average": "Average", "demo": "demo (a - b)"}
+
+
+# ------------------------------------------------------------------------------------------ inputs
+def _norm_size(size: Any) -> str:
+    return str(size).strip().upper() if size is not None else ""
+
+
+def load_experiments(experiments: dict[str, dict]) -> dict[str, dict]:
+    """Each experiment with its eval.json (None if not yet produced) and bench json (None if absent)."""
+    loaded = {}
+    for name in sorted(experiments):
+        exp = experiments[name]
+        if "row_key" not in exp or "model_size" not in exp:
+            raise QerlError(f"experiment {name!r}: needs 'row_key' and 'model_size'; got {', '.join(exp)}")
+        if exp["row_key"] not in paper.ROW_LABELS and exp["row_key"] != "demo":
+            raise QerlError(f"experiment {name!r}: row_key {exp['row_key']!r} is not one of "
+                            f"{', '.join(paper.ROW_LABELS)}, demo")
+        eval_path = Path(exp["eval_path"]) if exp.get("eval_path") else None
+        bench_path = Path(exp["bench_path"]) if exp.get("bench_path") else None
+        loaded[name] = {**exp, "model_size": _norm_size(exp["model_size"]),
+                        "eval": load_eval_json(eval_path) if eval_path and eval_path.is_file() else None,
+                        "bench": _load_json(bench_path) if bench_path and bench_path.is_file() else None}
+    return loaded
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise QerlError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def _candidates(loaded: dict, size: str, row: str) -> list[tuple[str, list[str]]]:
+    """(experiment, variants to try) in order of preference for one table row."""
+    out = []
+    if row in paper.NO_TRAINING_ROWS:
+        own = ["base"] if row == "bf16" else ["quantized_base", "base"]
+        out += [(n, own) for n, e in loaded.items() if e["model_size"] == size and e["row_key"] == row]
+        if row == "bf16":
+            out += [(n, ["base"]) for n, e in loaded.items() if e["model_size"] == size and e["row_key"] != row]
+        else:
+            out += [(n, ["quantized_base"]) for n, e in loaded.items()
+                    if e["model_size"] == size and e["row_key"].startswith(f"{row}_")]
+    else:
+        out += [(n, ["trained"]) for n, e in loaded.items() if e["model_size"] == size and e["row_key"] == row]
+    return out
+
+
+def lookup(loaded: dict, size: str, row: str, benchmark: str) -> tuple[dict | None, str | None]:
+    """Our result for one cell and the experiment it came from, or (None, None)."""
+    for name, variants in _candidates(loaded, size, row):
+        doc = loaded[name]["eval"]
+        for variant in variants:
+            res = find_result(doc, benchmark, variant) if doc else None
+            if res is not None:
+                return res, name
+    return None, None
+
+
+# ------------------------------------------------------------------------------------------ formatting
+def _pct(x: float | None) -> str:
+    return MISSING if x is None else f"{100 * x:.1f}"
+
+
+def fmt_ours(res: dict | None) -> str:
+    if res is None:
+        return MISSING
+    low, high = res["ci95"]
+    return f"{100 * res['accuracy']:.1f} [{100 * low:.1f}, {100 * high:.1f}]"
+
+
+def fmt_paper(value: float | None) -> str:
+    return NOT_REPORTED if value is None else f"{value:.1f}"
+
+
+def _protocol(res: dict | None) -> str:
+    return "" if res is None else f"{res['n_problems']}x{res['k']} {res['mode']}"
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _csv_row(table: str, size: str, row: str, benchmark: str, res: dict | None, paper_value, source) -> dict:
+    ours = None if res is None else res["accuracy"]
+    ci = (None, None) if res is None else res["ci95"]
+    scale = lambda v: None if v is None else round(100 * v, 4)  # noqa: E731
+    return {"table": table, "model_size": size, "row_key": row, "benchmark": benchmark,
+            "status": MISSING if res is None else "ok", "ours_pct": scale(ours), "ci95_low_pct": scale(ci[0]),
+            "ci95_high_pct": scale(ci[1]), "stderr_pct": None if res is None else scale(res["stderr"]),
+            "n_problems": None if res is None else res["n_problems"], "k": None if res is None else res["k"],
+            "mode": None if res is None else res["mode"], "variant": None if res is None else res["variant"],
+            "paper_pct": paper_value, "source": source}
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+
+
+# ------------------------------------------------------------------------------------------ tables
+def _demo_rows(loaded: dict) -> list[tuple[str, dict | None, str]]:
+    rows = []
+    for name, exp in loaded.items():
+        if exp["row_key"] == "demo":
+            for variant in ("base", "quantized_base", "trained"):
+                res = find_result(exp["eval"], "demo", variant) if exp["eval"] else None
+                if res is not None or variant != "quantized_base":
+                    rows.append((f"{name} ({variant})", res, name))
+    return rows
+
+
+def table1(loaded: dict) -> tuple[str, list[dict]]:
+    """GSM8K for 3B and 7B (+ demo rows)."""
+    header = ["Model", "W#", "Training", "GSM8K ours [95% CI]", "GSM8K paper", "problems x k", "source"]
+    md_rows, csv_rows = [], []
+    for size in paper.TABLE1_SIZES:
+        for row in paper.TABLE1_ROWS:
+            res, src = lookup(loaded, size, row, "gsm8k")
+            w, training = paper.ROW_LABELS[row]
+            value = paper.table1_value(size, row)
+            md_rows.append([f"Qwen2.5-{size}-Instruct", w, training, fmt_ours(res), fmt_paper(value),
+                            _protocol(res), src or ""])
+            csv_rows.append(_csv_row("table1", size, row, "gsm8k", res, value, src))
+    for label, res, src in _demo_rows(loaded):
+        md_rows.append([label, "", "", fmt_ours(res), "not in paper", _protocol(res), src])
+        csv_rows.append(_csv_row("table1", "demo", label, "demo", res, None, src))
+    title = ("# Table 1: GSM8K accuracy (%), ours vs. the paper\n\nOurs: pass@1 with 95% interval over problems; "
+             f"paper: {paper.SOURCE}. Rows without a finished run read \"{MISSING}\".\n\n")
+    return title + _md_table(header, md_rows), csv_rows
+
+
+def _average(results: list[dict | None]) -> dict | None:
+    if any(r is None for r in results):
+        return None
+    acc = sum(r["accuracy"] for r in results) / len(results)
+    se = math.sqrt(sum(r["stderr"] ** 2 for r in results)) / len(results)
+    return {"accuracy": acc, "stderr": se, "ci95": [max(0.0, acc - Z95 * se), min(1.0, acc + Z95 * se)],
+            "n_problems": sum(r["n_problems"] for r in results), "k": max(r["k"] for r in results),
+            "mode": "/".join(sorted({r["mode"] for r in results})), "variant": results[0]["variant"]}
+
+
+def table2(loaded: dict) -> tuple[str, list[dict]]:
+    """MATH 500, AIME 24/25, AMC 23 and their average for 7B/14B/32B."""
+    benches = paper.TABLE2_BENCHMARKS + ("average",)
+    header = ["Model", "W#", "Training"] + [f"{BENCH_LABELS[b]} {who}" for b in benches
+                                            for who in ("ours [95% CI]", "paper")] + ["source"]
+    md_rows, csv_rows = [], []
+    for size in paper.TABLE2_SIZES:
+        for row in paper.TABLE2_ROWS:
+            found = {b: lookup(loaded, size, row, b) for b in paper.TABLE2_BENCHMARKS}
+            found["average"] = (_average([found[b][0] for b in paper.TABLE2_BENCHMARKS]), None)
+            sources = sorted({s for _, s in found.values() if s})
+            cells = []
+            for b in benches:
+                res, src = found[b]
+                value = paper.table2_value(size, row, b)
+                cells += [fmt_ours(res), fmt_paper(value)]
+                csv_rows.append(_csv_row("table2", size, row, b, res, value, src or ",".join(sources) or None))
+            md_rows.append([f"Qwen2.5-{size}-Instruct", *paper.ROW_LABELS[row], *cells, ", ".join(sources)])
+    title = ("# Table 2: MATH 500 / AIME 24 / AIME 25 / AMC 23 accuracy (%), ours vs. the paper\n\n"
+             "AIME has 30 problems and AMC 40: their intervals are wide. Paper: " + paper.SOURCE + ".\n\n")
+    return title + _md_table(header, md_rows), csv_rows
+
+
+def _bench_value(bench: dict | None, key: str, batch: int | None = None):
+    if bench is None or key not in bench:
+        return None
+    value = bench[key]
+    if batch is None:
+        return value
+    return value.get(str(batch), value.get(batch)) if isinstance(value, dict) else None
+
+
+def _bench_for(loaded: dict, size: str, method: str) -> tuple[dict | None, str | None]:
+    row = paper.METHOD_ROW_KEYS[method]
+    for name, exp in loaded.items():
+        if exp["model_size"] == size and exp["bench"] is not None and exp["row_key"] in (row, f"{row}_aqn"):
+            return exp["bench"], name
+    return None, None
+
+
+def _num(x) -> str:
+    return MISSING if x is None else (f"{x:.1f}" if isinstance(x, (int, float)) else str(x))
+
+
+def table3(loaded: dict) -> tuple[str, list[dict]]:
+    """Model size, rollout throughput and end-to-end speedup per size and method."""
+    header = ["Model", "Method", "W#", "size GB ours", "paper"]
+    header += [f"rollout tok/s bs{b} {w}" for b in paper.BATCH_SIZES_ROLLOUT for w in ("ours", "paper")]
+    header += [f"E2E speedup bs{b} {w}" for b in paper.BATCH_SIZES_E2E for w in ("ours", "paper")] + ["source"]
+    md_rows, csv_rows = [], []
+    for size in paper.TABLE3_SIZES:
+        base_bench, _ = _bench_for(loaded, size, "lora")
+        for method in paper.TABLE3_METHODS:
+            bench, src = _bench_for(loaded, size, method)
+            ref = paper.TABLE3[(size, method)]
+            cells = [_num(_bench_value(bench, "model_size_gb")), fmt_paper(ref["model_size_gb"])]
+            metrics = [("model_size_gb", None, _bench_value(bench, "model_size_gb"), ref["model_size_gb"])]
+            for b in paper.BATCH_SIZES_ROLLOUT:
+                ours = _bench_value(bench, "rollout_tokens_per_s", b)
+                cells += [_num(ours), fmt_paper(ref["rollout_tokens_per_s"][b])]
+                metrics.append(("rollout_tokens_per_s", b, ours, ref["rollout_tokens_per_s"][b]))
+            for b in paper.BATCH_SIZES_E2E:
+                t_base, t = (_bench_value(x, "e2e_step_seconds", b) for x in (base_bench, bench))
+                ours = round(t_base / t, 3) if t_base and t else None
+                cells += [MISSING if ours is None else f"x{ours:.2f}", fmt_paper(ref["e2e_speedup"][b])]
+                metrics.append(("e2e_speedup", b, ours, ref["e2e_speedup"][b]))
+            label, w = paper.METHOD_LABELS[method]
+            md_rows.append([f"Qwen2.5-{size}-Instruct", label, w, *cells, src or ""])
+            csv_rows += [{"table": "table3", "model_size": size, "method": method, "metric": m, "batch_size": b,
+                          "status": MISSING if o is None else "ok", "ours": o, "paper": p, "source": src}
+                         for m, b, o, p in metrics]
+    title = ("# Table 3: model size, rollout throughput and end-to-end GRPO speedup, ours vs. the paper\n\n"
+             "Speedups are relative to BF16 LoRA of the same size. Paper: " + paper.SOURCE + ".\n\n")
+    return title + _md_table(header, md_rows), csv_rows
+
+
+# ------------------------------------------------------------------------------------------ plots
+def _read_metrics_csv(path: Path) -> list[tuple[float, float, float, float]]:
+    def get(row, *names):
+        for n in names:
+            if row.get(n) not in (None, ""):
+                return float(row[n])
+        return math.nan
+
+    with Path(path).open(encoding="utf-8") as fh:
+        return [(get(r, "step"), get(r, "reward"), get(r, "entropy"), get(r, "aqn/sigma", "sigma"))
+                for r in csv.DictReader(fh)]
+
+
+def plot_training_curves(source: list | dict, out_png: str | Path, title: str | None = None) -> Path:
+    """Reward, entropy and AQN sigma per step: csv paths (columns step, reward, entropy, aqn/sigma) or
+    {name: csv path | [(step, reward, entropy, sigma), ...]}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = source if isinstance(source, dict) else {Path(p).parent.name or Path(p).stem: p for p in source}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, data in runs.items():
+        points = _read_metrics_csv(Path(data)) if isinstance(data, (str, Path)) else [tuple(p) for p in data]
+        if not points:
+            continue
+        steps = [p[0] for p in points]
+        for ax, col in zip(axes, (1, 2, 3)):
+            ax.plot(steps, [p[col] for p in points], label=name)
+    for ax, label in zip(axes, ("reward", "entropy", "AQN sigma")):
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    if runs:
+        axes[0].legend(fontsize=8)
+    else:
+        axes[1].text(0.5, 0.5, "no runs with metrics yet", ha="center", transform=axes[1].transAxes)
+    fig.suptitle(title or "training curves")
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ entry points
+def render_tables(experiments: dict[str, dict], out_dir: str | Path, *, plots: bool = True) -> dict[str, Path]:
+    """Write table{1,2,3}.md/.csv (and training_curves.png) under out_dir; returns the paths by name."""
+    loaded = load_experiments(experiments)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, build in (("table1", table1), ("table2", table2), ("table3", table3)):
+        markdown, rows = build(loaded)
+        (out / f"{name}.md").write_text(markdown, encoding="utf-8")
+        _write_csv(out / f"{name}.csv", rows)
+        written[f"{name}.md"], written[f"{name}.csv"] = out / f"{name}.md", out / f"{name}.csv"
+    if plots:
+        metrics = {n: e["metrics_path"] for n, e in loaded.items()
+                   if e.get("metrics_path") and Path(e["metrics_path"]).is_file()}
+        written["training_curves.png"] = plot_training_curves(metrics, out / "training_curves.png")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qerl.tables", description=__doc__.splitlines()[0])
+    parser.add_argument("--experiments-json", required=True, help="{name: {row_key, model_size, eval_path, ...}}")
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        path = Path(args.experiments_json)
+        if not path.is_file():
+            raise QerlError(f"experiments file {path} does not exist")
+        written = render_tables(_load_json(path), args.out_dir, plots=not args.no_plots)
+    except QerlError as exc:
+        print(f"error: {exc}")
+        return 2
+    print("\n".join(str(p) for p in written.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
