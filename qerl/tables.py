@@ -1,6 +1,7 @@
 """The paper's Tables 1-3 rebuilt from our runs, side by side with the paper's numbers, plus training curves.
 
     python -m qerl.tables --experiments-json results/tables/experiments.json --out-dir results/tables
+    python -m qerl.tables --config-json "$(config as JSON)" --results-dir results --out-dir results/tables
 
 experiments.json maps an experiment name to
     {"row_key": "nvfp4_lora_aqn", "model_size": "7B", "eval_path": "results/qwen7b-nvfp4-lora-aqn/eval.json",
@@ -321,17 +322,51 @@ def render_tables(experiments: dict[str, dict], out_dir: str | Path, *, plots: b
     return written
 
 
+def experiments_from_config(config: dict | str, results_dir: str | Path = "results") -> dict[str, dict]:
+    """Table entries from the workflow config ({"experiments": {name: {row, model_size, ...}}}, dict or JSON text)
+    with the standard result paths; experiments without a `row` are not in any table."""
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as exc:
+            raise QerlError(f"--config-json: not valid JSON ({exc.msg})") from None
+    results = Path(results_dir)
+    out = {}
+    for name, exp in (config.get("experiments", config) or {}).items():
+        row = exp.get("row") or exp.get("row_key")
+        if row:
+            out[name] = {"row_key": row, "model_size": exp.get("model_size") or "",
+                         "eval_path": str(results / name / "eval.json"),
+                         "bench_path": str(results / "bench" / f"{name}.json"),
+                         "metrics_path": str(results / name / "adapter" / "metrics.csv")}
+    return out
+
+
+def _experiments_arg(args) -> dict[str, dict]:
+    if args.experiments_json:
+        path = Path(args.experiments_json)
+        if not path.is_file():
+            raise QerlError(f"experiments file {path} does not exist")
+        return _load_json(path)
+    text = args.config_json
+    if not text.lstrip().startswith("{"):
+        if not Path(text).is_file():
+            raise QerlError(f"--config-json: {text} is neither JSON nor an existing file")
+        text = Path(text).read_text(encoding="utf-8")
+    return experiments_from_config(text, args.results_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qerl.tables", description=__doc__.splitlines()[0])
-    parser.add_argument("--experiments-json", required=True, help="{name: {row_key, model_size, eval_path, ...}}")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--experiments-json", help="file: {name: {row_key, model_size, eval_path, ...}}")
+    source.add_argument("--config-json", help="workflow config JSON (text or file) with an 'experiments' map")
+    parser.add_argument("--results-dir", default="results", help="with --config-json: where results/<exp>/ live")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     try:
-        path = Path(args.experiments_json)
-        if not path.is_file():
-            raise QerlError(f"experiments file {path} does not exist")
-        written = render_tables(_load_json(path), args.out_dir, plots=not args.no_plots)
+        written = render_tables(_experiments_arg(args), args.out_dir, plots=not args.no_plots)
     except QerlError as exc:
         print(f"error: {exc}")
         return 2

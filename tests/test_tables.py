@@ -146,3 +146,21 @@ def test_cli(tmp_path, capsys):
     assert (tmp_path / "out" / "table2.csv").exists()
     assert tables.main(["--experiments-json", str(tmp_path / "nope.json"), "--out-dir", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().out
+
+
+def test_cli_from_workflow_config(tmp_path):
+    results = tmp_path / "results"
+    _write_eval(results / "demo" / "eval.json", "demo", [_entry("demo", "trained", 150, 90, mode="greedy")])
+    (results / "demo" / "adapter").mkdir(parents=True)
+    (results / "demo" / "adapter" / "metrics.csv").write_text("step,reward,entropy,aqn/sigma\n1,0.2,0.5,0\n")
+    config = {"experiments": {"demo": {"row": "demo", "model_size": "0.1B", "model": "m"},
+                              "qwen3b-bf16-lora": {"row": "bf16_lora", "model_size": "3B", "model": "m"},
+                              "scratch": {"row": None, "model": "m"}}}
+    exps = tables.experiments_from_config(config, results)
+    assert set(exps) == {"demo", "qwen3b-bf16-lora"}
+    assert exps["demo"]["eval_path"] == str(results / "demo" / "eval.json")
+    out = tmp_path / "tables"
+    assert tables.main(["--config-json", json.dumps(config), "--results-dir", str(results),
+                        "--out-dir", str(out)]) == 0
+    assert "demo (trained) |  |  | 60.0 [" in (out / "table1.md").read_text()
+    assert (out / "training_curves.png").stat().st_size > 1000
