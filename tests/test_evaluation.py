@@ -178,3 +178,24 @@ def test_validate_eval_names_failing_path(tokenizer, tmp_path, mutate, where):
     with pytest.raises(QerlError):
         write_eval_json(doc, tmp_path / "eval.json")
     assert not (tmp_path / "eval.json").exists()
+
+
+def test_evaluate_benchmark_with_the_torch_engine(tiny_model_dir):
+    """Contract check against the real rollout engine on the tiny random model (accuracy itself is ~0)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qerl.rewards import grade
+    from qerl.rollout import SamplingParams, make_engine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = make_engine("torch", model, tok)
+    summary, problems = evaluate_benchmark(engine, tok, RECORDS[:5], kind="numeric", template="answer_line",
+                                           sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=0),
+                                           k=2, batch_size=2)
+    samples = [s for p in problems for s in p["samples"]]
+    assert len(problems) == 5 and len(samples) == 10 and summary["n_samples"] == 10
+    assert all(1 <= s["n_tokens"] <= 6 and s["finish_reason"] in ("stop", "length") for s in samples)
+    assert summary["n_truncated"] == sum(s["finish_reason"] == "length" for s in samples)
+    assert all(s["correct"] == grade(s["text"], p["gold"], "numeric") for p in problems for s in p["samples"])
+    assert summary["sampling"]["max_tokens"] == 6 and summary["mode"] == "sampled"
