@@ -1,0 +1,297 @@
+"""Kernel benchmark: NVFP4 Triton matmuls vs bf16 cuBLAS and a naive dequantize-then-matmul, per Qwen2.5 shape.
+
+    python -m qerl.bench.kernels --out results/bench/kernels.json [--models 7B,14B,32B] [--rows 1,16,64,256,2048]
+    python -m qerl.bench.kernels --sweep --out results/bench/kernel_sweep.json   # tile configs on the 7B shapes
+
+One run measures the device's own ceilings first (a large device-to-device copy; an 8192^3 bf16 matmul), then for
+every Linear shape and row count M: bf16 `torch.matmul`, the naive path (dequantize_nvfp4 to bf16, then matmul),
+the fused forward and the fused grad_input kernel, with the floor max(bytes / bandwidth, flops / matmul rate) next
+to each. Timing: each measurement is a CUDA graph of R calls over R copies of the weights (R * bytes > 4x L2, so
+weights come from HBM as in a real forward pass), replayed and timed with CUDA events; median over replays / R.
+Random weights, never zeros. Prints a Markdown table; writes the JSON atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from qerl.quant.format import dequantize_nvfp4, quantize_nvfp4
+
+# (model, names, N, K, how many of this shape per decoder layer): Qwen2.5 public configs.
+QWEN_LINEARS = {
+    "7B": [("q/o", 3584, 3584, 2), ("k/v", 512, 3584, 2), ("gate/up", 18944, 3584, 2), ("down", 3584, 18944, 1)],
+    "14B": [("q/o", 5120, 5120, 2), ("k/v", 1024, 5120, 2), ("gate/up", 13824, 5120, 2), ("down", 5120, 13824, 1)],
+    "32B": [("q/o", 5120, 5120, 2), ("k/v", 1024, 5120, 2), ("gate/up", 27648, 5120, 2), ("down", 5120, 27648, 1)],
+}
+ROTATE_BYTES = 4 * 50 * 2**20  # ~4x the L2 of an H100/H200
+
+
+def _median_ms(fn, reps: int = 20, inner: int = 1) -> float:
+    """Median of `reps` event-timed calls of fn (each doing `inner` units of work), per unit, in ms."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def graph_time_us(call, n_copies: int, reps: int = 15) -> float:
+    """Per-call time (us) of call(i) for i in range(n_copies), captured once in a CUDA graph and replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(n_copies):  # compile, allocate workspaces on this stream, fill caches
+            call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(n_copies):
+            call(i)
+    ms = _median_ms(graph.replay, reps=reps, inner=n_copies)
+    del graph
+    return ms * 1e3
+
+
+def eager_time_us(call, n_copies: int, reps: int = 5) -> float:
+    """Per-call time (us) without a graph, for code that cannot be captured (host-to-device copies inside)."""
+    def all_copies():
+        for i in range(n_copies):
+            call(i)
+    return _median_ms(all_copies, reps=reps, inner=n_copies) * 1e3
+
+
+def measure_ceilings() -> dict:
+    """Device-to-device copy bandwidth (bytes read + written) and dense bf16 matmul rate, on random data."""
+    n = 2 * 2**30
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = _median_ms(lambda: dst.copy_(src), reps=10)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = _median_ms(lambda: a @ b, reps=10)
+    return {"copy_GBps": 2 * n / copy_ms / 1e6, "bf16_tflops": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def _copies(nbytes: int) -> int:
+    return max(1, min(32, math.ceil(ROTATE_BYTES / nbytes)))
+
+
+def _fp4_weights(n: int, k: int, copies: int, seed: int):
+    torch.manual_seed(seed)
+    base = quantize_nvfp4(torch.randn(n, k, device="cuda"))
+    out = [base]
+    for i in range(1, copies):  # other random codes with the same statistics
+        packed = torch.randint(0, 256, base[0].shape, dtype=torch.uint8, device="cuda")
+        out.append((packed, base[1][torch.randperm(n, device="cuda")], base[2]))
+    return out
+
+
+def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bool = True) -> dict:
+    """All timings of one (N, K) weight at M rows, with bandwidth and floor figures."""
+    from qerl.quant import triton_fp4 as tf
+
+    fp4_bytes = n * k // 2 + n * k // 16 + 4
+    fp4 = _fp4_weights(n, k, _copies(fp4_bytes), seed)
+    nb = _copies(2 * n * k)
+    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    r = {"N": n, "K": k, "M": m}
+    r["bf16_us"] = graph_time_us(lambda i: torch.matmul(x, wb[i].T), nb)
+    r["fp4_us"] = graph_time_us(lambda i: tf.fp4_matmul_triton(x, *fp4[i]), len(fp4))
+    r["bwd_bf16_us"] = graph_time_us(lambda i: torch.matmul(g, wb[i]), nb)
+    r["bwd_fp4_us"] = graph_time_us(lambda i: tf.fp4_matmul_t_triton(g, *fp4[i]), len(fp4))
+    if naive:
+        r["naive_us"] = eager_time_us(
+            lambda i: torch.matmul(x, dequantize_nvfp4(*fp4[i], dtype=torch.bfloat16).T), min(4, len(fp4)))
+    del wb, fp4
+    flops = 2 * m * n * k
+    act_bytes = 2 * m * (n + k)
+    bw = ceilings["copy_GBps"] * 1e3  # bytes per us
+    rate = ceilings["bf16_tflops"] * 1e6  # flops per us
+    r["fp4_floor_us"] = max((fp4_bytes + act_bytes) / bw, flops / rate)
+    r["bf16_floor_us"] = max((2 * n * k + act_bytes) / bw, flops / rate)
+    r["speedup"] = r["bf16_us"] / r["fp4_us"]
+    r["bwd_speedup"] = r["bwd_bf16_us"] / r["bwd_fp4_us"]
+    if naive:
+        r["speedup_vs_naive"] = r["naive_us"] / r["fp4_us"]
+    r["fp4_GBps"] = fp4_bytes / r["fp4_us"] / 1e3
+    r["fp4_pct_peak_bw"] = 100 * r["fp4_GBps"] / ceilings["copy_GBps"]
+    r["fp4_tflops"] = flops / r["fp4_us"] / 1e6
+    r["bwd_fp4_tflops"] = flops / r["bwd_fp4_us"] / 1e6
+    return r
+
+
+def layer_totals(rows: list[dict], models: list[str]) -> list[dict]:
+    """Sum over the 7 Linear layers of one decoder layer (q, k, v, o, gate, up, down) per model and M."""
+    out = []
+    for model in models:
+        for m in sorted({r["M"] for r in rows if r["model"] == model}):
+            sel = [r for r in rows if r["model"] == model and r["M"] == m]
+            tot = {key: sum(r[key] * r["per_layer"] for r in sel)
+                   for key in ("bf16_us", "fp4_us", "bwd_bf16_us", "bwd_fp4_us", "fp4_floor_us")}
+            if all("naive_us" in r for r in sel):
+                tot["naive_us"] = sum(r["naive_us"] * r["per_layer"] for r in sel)
+            out.append({"model": model, "M": m, **tot, "speedup": tot["bf16_us"] / tot["fp4_us"],
+                        "bwd_speedup": tot["bwd_bf16_us"] / tot["bwd_fp4_us"]})
+    return out
+
+
+def markdown(result: dict) -> str:
+    c = result["ceilings"]
+    lines = [f"Device: {result['device']} ({result['date']}); measured copy {c['copy_GBps']:.0f} GB/s, "
+             f"bf16 matmul {c['bf16_tflops']:.0f} TFLOP/s", "",
+             "| model | layer | N x K | M | bf16 us | naive us | fp4 us | fp4 floor us | x bf16 | x naive | "
+             "GB/s (% peak) | bwd bf16 us | bwd fp4 us | bwd x bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['layer']} | {r['N']}x{r['K']} | {r['M']} | {r['bf16_us']:.1f} | "
+            f"{r.get('naive_us', float('nan')):.1f} | {r['fp4_us']:.1f} | {r['fp4_floor_us']:.1f} | "
+            f"{r['speedup']:.2f} | {r.get('speedup_vs_naive', float('nan')):.1f} | "
+            f"{r['fp4_GBps']:.0f} ({r['fp4_pct_peak_bw']:.0f}%) | {r['bwd_bf16_us']:.1f} | {r['bwd_fp4_us']:.1f} | "
+            f"{r['bwd_speedup']:.2f} |")
+    lines += ["", "Per decoder layer (q, k, v, o, gate, up, down):", "",
+              "| model | M | bf16 us | naive us | fp4 us | fp4 floor us | x bf16 | bwd bf16 us | bwd fp4 us | bwd x |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in result["layer_totals"]:
+        lines.append(f"| {t['model']} | {t['M']} | {t['bf16_us']:.0f} | {t.get('naive_us', float('nan')):.0f} | "
+                     f"{t['fp4_us']:.0f} | {t['fp4_floor_us']:.0f} | {t['speedup']:.2f} | {t['bwd_bf16_us']:.0f} | "
+                     f"{t['bwd_fp4_us']:.0f} | {t['bwd_speedup']:.2f} |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
+
+
+def _environment() -> dict:
+    import triton
+
+    return {"device": torch.cuda.get_device_name(), "date": dt.datetime.now(dt.timezone.utc).isoformat(
+        timespec="seconds"), "torch": torch.__version__, "triton": triton.__version__,
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count}
+
+
+def run(models: list[str], rows_m: list[int], naive: bool) -> dict:
+    result = {**_environment(), "ceilings": measure_ceilings(), "rows": []}
+    for model in models:
+        for seed, (layer, n, k, per_layer) in enumerate(QWEN_LINEARS[model]):
+            for m in rows_m:
+                r = bench_shape(n, k, m, result["ceilings"], seed=seed, naive=naive)
+                result["rows"].append({"model": model, "layer": layer, "per_layer": per_layer, **r})
+                print(f"{model} {layer} M={m}: bf16 {r['bf16_us']:.1f} fp4 {r['fp4_us']:.1f} us "
+                      f"(x{r['speedup']:.2f}); bwd x{r['bwd_speedup']:.2f}", flush=True)
+    result["layer_totals"] = layer_totals(result["rows"], models)
+    return result
+
+
+# Candidate tiles per row bucket: (bm, bn, bk, warps, stages, swap_ab); split-K is chosen per shape.
+SWEEP_FWD = {
+    16: [(16, 64, 256, 4, 4, False), (16, 64, 128, 4, 4, False), (16, 128, 128, 4, 4, False),
+         (16, 32, 256, 4, 4, False), (16, 64, 256, 4, 3, False), (16, 64, 256, 4, 4, True)],
+    64: [(64, 64, 128, 4, 4, False), (64, 64, 128, 4, 4, True), (64, 128, 128, 8, 3, False),
+         (32, 64, 128, 4, 4, False), (16, 64, 256, 4, 4, False)],
+    256: [(128, 128, 64, 8, 4, False), (64, 128, 128, 4, 4, False), (128, 64, 128, 4, 4, False),
+          (128, 128, 64, 8, 4, True), (64, 64, 128, 4, 4, False)],
+    2048: [(128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, False), (256, 128, 64, 8, 3, False),
+           (128, 128, 64, 8, 4, True), (128, 256, 64, 8, 4, False), (128, 128, 128, 8, 3, False)],
+}
+SWEEP_BWD = {  # (bm, bn = reduction step, bk = output tile, warps, stages)
+    16: [(16, 128, 128, 4, 4), (16, 64, 256, 4, 4), (16, 128, 64, 4, 4), (16, 256, 64, 4, 3)],
+    64: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 64, 256, 8, 3)],
+    256: [(128, 64, 128, 8, 4), (128, 64, 256, 8, 3), (64, 64, 128, 4, 4)],
+    2048: [(128, 64, 256, 8, 3), (128, 64, 128, 8, 4), (256, 64, 128, 8, 3), (128, 64, 256, 8, 4),
+           (128, 32, 256, 8, 4)],
+}
+
+
+def _bucket(m: int) -> int:
+    return next(b for b in sorted(SWEEP_FWD) if m <= b) if m <= max(SWEEP_FWD) else max(SWEEP_FWD)
+
+
+def _sweep_one(tf, n, k, m, fp4, x, g) -> list[dict]:
+    dev = torch.device("cuda")
+    out = []
+    ref = tf.fp4_matmul_triton(x, *fp4[0]).float()
+    ref_t = tf.fp4_matmul_t_triton(g, *fp4[0]).float()
+    for bm, bn, bk, warps, stages, swap in SWEEP_FWD[_bucket(m)]:
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        split = tf._pick_split(tiles, math.ceil(k / bk), dev) if m <= 256 else 1
+        for sp in sorted({1, split}):
+            cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages, 8, swap)
+            err = ((tf.fp4_matmul_triton(x, *fp4[0], config=cfg).float() - ref).norm() / ref.norm()).item()
+            us = graph_time_us(lambda i: tf.fp4_matmul_triton(x, *fp4[i], config=cfg), len(fp4))
+            out.append({"kind": "fwd", "N": n, "K": k, "M": m, "config": list(cfg), "us": us, "err": err})
+    for bm, bn, bk, warps, stages in SWEEP_BWD[_bucket(m)]:
+        tiles = math.ceil(m / bm) * (k // bk)
+        split = tf._pick_split(tiles, math.ceil(n / bn), dev) if m <= 256 else 1
+        for sp in sorted({1, split}):
+            cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages)
+            err = ((tf.fp4_matmul_t_triton(g, *fp4[0], config=cfg).float() - ref_t).norm() / ref_t.norm()).item()
+            us = graph_time_us(lambda i: tf.fp4_matmul_t_triton(g, *fp4[i], config=cfg), len(fp4))
+            out.append({"kind": "bwd", "N": n, "K": k, "M": m, "config": list(cfg), "us": us, "err": err})
+    return out
+
+
+def sweep(rows_m: list[int]) -> list[dict]:
+    """Time every candidate config on the 7B shapes; prints the best per (kind, shape, M)."""
+    from qerl.quant import triton_fp4 as tf
+
+    results = []
+    for seed, (layer, n, k, _) in enumerate(QWEN_LINEARS["7B"]):
+        fp4 = _fp4_weights(n, k, _copies(n * k // 2 + n * k // 16), seed)
+        for m in rows_m:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            res = _sweep_one(tf, n, k, m, fp4, x, g)
+            for kind in ("fwd", "bwd"):
+                best = min((r for r in res if r["kind"] == kind), key=lambda r: r["us"])
+                print(f"sweep {kind} {layer} {n}x{k} M={m}: best {best['config']} {best['us']:.1f} us; all "
+                      + ", ".join(f"{r['config'][:6]}{'S' if r['config'][7] else ''}={r['us']:.1f}"
+                                  f"{'!' if r['err'] > 1e-2 else ''}" for r in res if r["kind"] == kind),
+                      flush=True)
+            results += res
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("results/bench/kernels.json"))
+    p.add_argument("--models", default="7B,14B,32B")
+    p.add_argument("--rows", default="1,16,64,256,2048")
+    p.add_argument("--no-naive", action="store_true", help="skip the (slow) dequantize-then-matmul baseline")
+    p.add_argument("--sweep", action="store_true", help="time candidate tile configs instead (qerl.bench.sweep)")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("qerl.bench.kernels needs a CUDA GPU")
+    rows_m = [int(v) for v in a.rows.split(",")]
+    if a.sweep:
+        result = {**_environment(), "sweep": sweep(rows_m)}
+    else:
+        result = run(a.models.split(","), rows_m, naive=not a.no_naive)
+        print(markdown(result))
+        result["markdown"] = markdown(result)
+    write_json(a.out, result)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

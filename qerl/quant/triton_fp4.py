@@ -1,0 +1,390 @@
+"""Triton W4A16 kernels for NVFP4 weights: the CUDA path behind `qerl.quant.kernels.fp4_matmul`.
+
+    y  = fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias)   # x @ deq(W).T (+ bias)
+    gx = fp4_matmul_t_triton(g, weight_packed, weight_scale, weight_global_scale)       # g @ deq(W)
+
+The weight never exists dequantized in device memory: each program loads a tile of packed bytes and FP8 group
+scales, turns them into bf16 in registers (e2m1 * scale, exact in bf16), feeds the tensor cores and multiplies the
+fp32 accumulator by 1 / global_scale once at the end. Decode shapes (few rows) read 0.5625 bytes per weight instead
+of bf16's 2, so they are bandwidth bound and split the reduction across programs (split-K) to fill the GPU; the
+partial tiles are summed by the last program to finish (a per-tile counter), so one launch does everything.
+
+Layout (compressed-tensors NVFP4): weight_packed uint8 (N, K/2), column 2j in the low nibble of byte j; code =
+sign bit (8) | index into {0, .5, 1, 1.5, 2, 3, 4, 6}; weight_scale float8_e4m3fn (N, K/16); weight_global_scale
+float32 (1,); W = e2m1 * scale / global_scale.
+
+The unpacking uses a lookup through `prmt` byte permutes in inline PTX (8 weights from one 32-bit word in ~19
+instructions, sm_80+); `USE_ASM=False` selects a plain-Triton decode of the same numbers (slower; kept as the
+readable reference and for Triton's CPU interpreter).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from qerl.errors import QerlError
+
+GROUP = 16
+
+# The 8 E2M1 magnitudes as bf16 bit patterns, split into high and low bytes and packed as prmt lookup tables:
+# 0, .5, 1, 1.5 | 2, 3, 4, 6  ->  0x0000 0x3F00 0x3F80 0x3FC0 | 0x4000 0x4040 0x4080 0x40C0
+_E2M1_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 m, m16, r4, ha, la, hb, lb, sa, sb, s01, s23, t0, t1, t2, t3, th0, th1, tl0, tl1, msk, nz;
+mov.b32 s01, $5;
+mov.b32 s23, $6;
+mov.b32 th0, 0x3F3F3F00;
+mov.b32 th1, 0x40404040;
+mov.b32 tl0, 0xC0800000;
+mov.b32 tl1, 0xC0804000;
+mov.b32 msk, 0x80808080;
+mov.b32 nz, 0x80008000;
+and.b32 m, $4, 0x77777777;
+shr.u32 m16, m, 16;
+shl.b32 r4, $4, 4;
+prmt.b32 ha, th0, th1, m;
+prmt.b32 la, tl0, tl1, m;
+prmt.b32 hb, th0, th1, m16;
+prmt.b32 lb, tl0, tl1, m16;
+prmt.b32 sa, r4, $4, 0xD9C8;
+prmt.b32 sb, r4, $4, 0xFBEA;
+lop3.b32 ha, ha, sa, msk, 0xF8;
+lop3.b32 hb, hb, sb, msk, 0xF8;
+prmt.b32 t0, la, ha, 0x6240;
+prmt.b32 t2, la, ha, 0x7351;
+prmt.b32 t1, lb, hb, 0x6240;
+prmt.b32 t3, lb, hb, 0x7351;
+fma.rn.bf16x2 $0, t0, s01, nz;
+fma.rn.bf16x2 $1, t1, s23, nz;
+fma.rn.bf16x2 $2, t2, s01, nz;
+fma.rn.bf16x2 $3, t3, s23, nz;
+}
+""")
+
+
+@triton.jit
+def _dequant_tile(p, s, BR: tl.constexpr, BC: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed bytes p (BR, BC/2) uint8 + bf16 group scales s (BR, BC/16) -> e2m1 * scale (BR, BC) bf16 (exact)."""
+    if USE_ASM:
+        s2 = tl.reshape(tl.broadcast_to(tl.expand_dims(s, 2), (BR, BC // 16, 8)), (BR, BC // 2))
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [p, s2],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.reshape(tl.join(lo, hi), (BR, BC))
+    else:
+        lo = (p & 0xF).to(tl.int32)
+        hi = (p >> 4).to(tl.int32)
+        c = tl.reshape(tl.join(lo, hi), (BR, BC))
+        mag = c & 7
+        # magnitudes >= 1 are normal: exponent/mantissa bits shifted into fp32 with the bias moved by 126
+        normal = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+        v = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
+        v = tl.where((c & 8) != 0, -v, v)
+        v = tl.reshape(v, (BR, BC // 16, 16)) * tl.expand_dims(s.to(tl.float32), 2)
+        return tl.reshape(v, (BR, BC)).to(tl.bfloat16)
+
+
+@triton.jit
+def _load_weight_tile(wp_ptr, ws_ptr, rows, kt, row_mask, K, swn, ssn, BK: tl.constexpr, EVEN: tl.constexpr):
+    """Packed bytes (R, BK/2) and bf16 scales (R, BK/16) of weight rows `rows`, K-tile `kt`.
+
+    Row strides swn (= K/2) and ssn (= K/16) come in as arguments so Triton sees their divisibility by 16 and
+    issues 16-byte loads."""
+    offs_b = kt * (BK // 2) + tl.arange(0, BK // 2)
+    offs_g = kt * (BK // 16) + tl.arange(0, BK // 16)
+    p_ptrs = wp_ptr + rows[:, None].to(tl.int64) * swn + offs_b[None, :]
+    s_ptrs = ws_ptr + rows[:, None].to(tl.int64) * ssn + offs_g[None, :]
+    if EVEN:
+        p = tl.load(p_ptrs)
+        s = tl.load(s_ptrs)
+    else:
+        p = tl.load(p_ptrs, mask=row_mask[:, None] & (offs_b[None, :] < K // 2), other=0)
+        s = tl.load(s_ptrs, mask=row_mask[:, None] & (offs_g[None, :] < K // 16), other=0)
+    s = s.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    return p, s
+
+
+@triton.jit
+def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped program order (GROUP_M row tiles share each weight tile while it is in L2)."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid, pid_m, pid_n
+
+
+@triton.jit
+def _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Store a (BM, BN) fp32 tile; with SPLIT > 1 the last of the SPLIT programs of `tile` adds up the partials."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * som + offs_n[None, :] * son
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tile_off = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        base = part_ptr + tile.to(tl.int64) * (SPLIT * BM * BN)
+        tl.store(base + tl.program_id(1) * (BM * BN) + tile_off, acc, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(base + s * (BM * BN) + tile_off, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # re-arm for the next launch
+
+
+@triton.jit
+def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
+                   M, N, K, sxm, sxk, som, son, swn, ssn,
+                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr,
+                   SWAP_AB: tl.constexpr):
+    """out (M, N) = x (M, K) @ deq(W).T; program (tile, split) reduces K-tiles [split*T, (split+1)*T).
+
+    SWAP_AB computes the transposed tile deq(W) @ x.T: the dequantized weight is then the register operand (A) of
+    the tensor-core instruction and never goes through shared memory, and a few rows of x fill its N side."""
+    tile, pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rm = offs_m % M  # wrapped rows/cols load real data; only the store is masked
+    rn = offs_n % N
+    k_tiles = tl.cdiv(K, BK)
+    per_split = tl.cdiv(k_tiles, SPLIT)
+    kt0 = tl.program_id(1) * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    offs_k = tl.arange(0, BK)
+    if SWAP_AB:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kt in range(kt0, kt1):
+        ks = kt * BK + offs_k
+        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * sxm + ks[None, :] * sxk
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=ks[None, :] < K, other=0)
+        p, s = _load_weight_tile(wp_ptr, ws_ptr, rn, kt, rn < N, K, swn, ssn, BK, EVEN_K)
+        w = _dequant_tile(p, s, BN, BK, USE_ASM)
+        if a.dtype != tl.bfloat16:
+            w = w.to(a.dtype)  # exact: e2m1 * fp8 scale fits fp16 and fp32
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    acc = acc * (1.0 / tl.load(gs_ptr))
+    _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
+                 HAS_BIAS, SPLIT, BM, BN)
+
+
+@triton.jit
+def _fp4_mm_t_kernel(g_ptr, wp_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
+                     M, N, K, sgm, sgn, som, sok, swn, ssn,
+                     BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                     SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_N: tl.constexpr):
+    """out (M, K) = g (M, N) @ deq(W); the tile is (BM, BK) of the output, reducing over N in steps of BN."""
+    tile, pid_m, pid_k = _tile_ids(M, K, BM, BK, GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    rm = offs_m % M
+    n_tiles = tl.cdiv(N, BN)
+    per_split = tl.cdiv(n_tiles, SPLIT)
+    nt0 = tl.program_id(1) * per_split
+    nt1 = tl.minimum(nt0 + per_split, n_tiles)
+    offs_nb = tl.arange(0, BN)
+    acc = tl.zeros((BM, BK), dtype=tl.float32)
+    for nt in range(nt0, nt1):
+        ns = nt * BN + offs_nb
+        g_ptrs = g_ptr + rm[:, None].to(tl.int64) * sgm + ns[None, :] * sgn
+        if EVEN_N:
+            a = tl.load(g_ptrs)
+            p, s = _load_weight_tile(wp_ptr, ws_ptr, ns, pid_k, ns < N, K, swn, ssn, BK, True)
+        else:
+            a = tl.load(g_ptrs, mask=ns[None, :] < N, other=0)
+            p, s = _load_weight_tile(wp_ptr, ws_ptr, ns % N, pid_k, ns < N, K, swn, ssn, BK, False)
+        w = _dequant_tile(p, s, BN, BK, USE_ASM)
+        if a.dtype != tl.bfloat16:
+            w = w.to(a.dtype)
+        acc = tl.dot(a, w, acc)
+    acc = acc * (1.0 / tl.load(gs_ptr))
+    _finish_tile(acc, out_ptr, out_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_k, M, K, som, sok,
+                 False, SPLIT, BM, BK)
+
+
+class KernelConfig(NamedTuple):
+    """Tile shape and launch knobs of one kernel call (bm rows of x, bn/bk as named by each kernel)."""
+    bm: int
+    bn: int
+    bk: int
+    split: int = 1
+    warps: int = 4
+    stages: int = 3
+    group_m: int = 8
+    swap_ab: bool = False
+
+
+def _target_programs(device: torch.device) -> int:
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pick_split(tiles: int, k_tiles: int, device: torch.device, min_tiles_per_split: int = 2) -> int:
+    """Enough reduction splits that tiles * split fills ~2 waves, keeping >= min_tiles_per_split K-tiles each."""
+    want = math.ceil(_target_programs(device) / max(1, tiles))
+    return max(1, min(want, k_tiles // min_tiles_per_split, 16))
+
+
+def _largest_block(dim: int, candidates=(256, 128, 64, 32, 16)) -> int:
+    for c in candidates:
+        if dim % c == 0:
+            return c
+    return 16
+
+
+def forward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
+    """Tiles per M bucket: tiny M is a bandwidth problem (small tiles, split-K); large M a tensor-core one."""
+    if M <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 256, 4, 4
+    elif M <= 64:
+        bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
+    elif M <= 256:
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
+    bk = min(bk, _largest_block(K))
+    tiles = math.ceil(M / bm) * math.ceil(N / bn)
+    split = _pick_split(tiles, math.ceil(K / bk), device) if M <= 256 else 1
+    return KernelConfig(bm, bn, bk, split, warps, stages)
+
+
+def backward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
+    """Same buckets for grad_input: bn is the reduction step over N, bk the output tile along K."""
+    if M <= 16:
+        bm, bk, bn, warps, stages = 16, 128, 128, 4, 4
+    elif M <= 64:
+        bm, bk, bn, warps, stages = 64, 128, 64, 4, 4
+    elif M <= 256:
+        bm, bk, bn, warps, stages = 128, 128, 64, 8, 4
+    else:
+        bm, bk, bn, warps, stages = 128, 256, 64, 8, 3
+    bk = min(bk, _largest_block(K))
+    tiles = math.ceil(M / bm) * math.ceil(K / bk)
+    split = _pick_split(tiles, math.ceil(N / bn), device) if M <= 256 else 1
+    return KernelConfig(bm, bn, bk, split, warps, stages)
+
+
+_WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, part_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials (fp32) and per-tile arrival counters, one set per (device, stream).
+
+    Counters start at zero and each launch leaves them at zero, so no memset launch is needed; a set per stream
+    keeps concurrent streams apart. Warm a shape up before CUDA-graph capture so no allocation is captured."""
+    if device.type == "cuda":
+        key = (device.index if device.index is not None else torch.cuda.current_device(),
+               torch.cuda.current_stream(device).cuda_stream)
+    else:  # Triton's CPU interpreter (TRITON_INTERPRET=1), used to check the kernels without a GPU
+        key = (-1, 0)
+    part, cnt = _WORKSPACES.get(key, (None, None))
+    if part is None or part.numel() < part_elems:
+        part = torch.empty(max(part_elems, 1 << 16), dtype=torch.float32, device=device)
+    if cnt is None or cnt.numel() < tiles:
+        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    _WORKSPACES[key] = (part, cnt)
+    return part, cnt
+
+
+def _check(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, dim: int, name: str):
+    if weight_packed.dtype != torch.uint8 or weight_packed.ndim != 2:
+        raise QerlError(f"weight_packed: expected a 2-D uint8 tensor, got {weight_packed.dtype} "
+                        f"{tuple(weight_packed.shape)}")
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
+    if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // GROUP):
+        raise QerlError(f"weight_scale: expected float8_e4m3fn {(n, k // GROUP)}, got {weight_scale.dtype} "
+                        f"{tuple(weight_scale.shape)}")
+    if weight_global_scale.numel() != 1:
+        raise QerlError(f"weight_global_scale: expected one element, got shape {tuple(weight_global_scale.shape)}")
+    if a.shape[-1] != (k if dim == 1 else n):
+        raise QerlError(f"{name}: last dim {a.shape[-1]} does not match the weight ({n}, {k}) "
+                        f"(expected {k if dim == 1 else n})")
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise QerlError(f"{name}: expected a bf16/fp16/fp32 tensor, got {a.dtype}")
+    for t, tn in ((weight_packed, "weight_packed"), (weight_scale, "weight_scale"),
+                  (weight_global_scale, "weight_global_scale")):
+        if t.device != a.device:
+            raise QerlError(f"{tn}: on {t.device}, expected {a.device} like {name}")
+    if k % GROUP:
+        raise QerlError(f"weight_packed: in_features {k} must be a multiple of {GROUP}")
+    return n, k
+
+
+def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=None, *,
+                      config: KernelConfig | None = None, use_asm: bool = True):
+    """x (..., K) @ deq(W).T (+ bias) -> (..., N) in x.dtype; bf16 tensor cores (fp16 for fp16, tf32 for fp32)."""
+    n, k = _check(x, weight_packed, weight_scale, weight_global_scale, 1, "x")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    cfg = config or forward_config(m, n, k, x.device)
+    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    part, cnt = _workspace(x.device, tiles * cfg.split * cfg.bm * cfg.bn if cfg.split > 1 else 0, tiles)
+    wp = weight_packed.contiguous()
+    ws = weight_scale.contiguous().view(torch.uint8)
+    gs = weight_global_scale.reshape(1).to(torch.float32)
+    b = bias.contiguous() if bias is not None else out
+    _fp4_mm_kernel[(tiles, cfg.split)](
+        x2, wp, ws, gs, b, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
+        wp.stride(0), ws.stride(0),
+        HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
+        USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, SWAP_AB=cfg.swap_ab, num_warps=cfg.warps, num_stages=cfg.stages)
+    return out.reshape(*lead, n)
+
+
+def fp4_matmul_t_triton(g, weight_packed, weight_scale, weight_global_scale, *,
+                        config: KernelConfig | None = None, use_asm: bool = True):
+    """g (..., N) @ deq(W) -> (..., K) in g.dtype: the input gradient, reading W transposed, never dense."""
+    n, k = _check(g, weight_packed, weight_scale, weight_global_scale, 0, "grad_out")
+    lead = g.shape[:-1]
+    g2 = g.reshape(-1, n)
+    m = g2.shape[0]
+    out = torch.empty(m, k, dtype=g.dtype, device=g.device)
+    if m == 0:
+        return out.reshape(*lead, k)
+    cfg = config or backward_config(m, n, k, g.device)
+    if k % cfg.bk:
+        raise QerlError(f"weight_packed: in_features {k} must be a multiple of the tile {cfg.bk}")
+    tiles = triton.cdiv(m, cfg.bm) * (k // cfg.bk)
+    part, cnt = _workspace(g.device, tiles * cfg.split * cfg.bm * cfg.bk if cfg.split > 1 else 0, tiles)
+    wp = weight_packed.contiguous()
+    ws = weight_scale.contiguous().view(torch.uint8)
+    _fp4_mm_t_kernel[(tiles, cfg.split)](
+        g2, wp, ws, weight_global_scale.reshape(1).to(torch.float32), out, part, cnt, m, n, k,
+        g2.stride(0), g2.stride(1), out.stride(0), out.stride(1), wp.stride(0), ws.stride(0),
+        BM=cfg.bm, BK=cfg.bk, BN=cfg.bn, SPLIT=cfg.split, GROUP_M=cfg.group_m, USE_ASM=use_asm,
+        EVEN_N=n % cfg.bn == 0, num_warps=cfg.warps, num_stages=cfg.stages)
+    return out.reshape(*lead, k)
+
+
+# Names used by the dispatcher qerl.quant.kernels.
+_triton_fp4_matmul = fp4_matmul_triton
+_triton_fp4_matmul_t = fp4_matmul_t_triton

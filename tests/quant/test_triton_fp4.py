@@ -1,0 +1,125 @@
+"""Triton NVFP4 kernels vs float64 references on every Linear shape of Qwen2.5 7B/14B/32B (GPU only)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl.quant.format import dequantize_nvfp4, quantize_nvfp4
+
+pytestmark = pytest.mark.gpu
+
+# (model, names, out_features N, in_features K): every distinct Linear shape of the three models.
+QWEN_SHAPES = [
+    ("7B", "q/o", 3584, 3584), ("7B", "k/v", 512, 3584), ("7B", "gate/up", 18944, 3584),
+    ("7B", "down", 3584, 18944),
+    ("14B", "q/o", 5120, 5120), ("14B", "k/v", 1024, 5120), ("14B", "gate/up", 13824, 5120),
+    ("14B", "down", 5120, 13824),
+    ("32B", "q/o", 5120, 5120), ("32B", "k/v", 1024, 5120), ("32B", "gate/up", 27648, 5120),
+    ("32B", "down", 5120, 27648),
+]
+DISTINCT = sorted({(n, k) for _, _, n, k in QWEN_SHAPES})
+ROWS = (1, 16, 64, 256, 2048)
+
+
+def _random_fp4(n, k, seed):
+    """A quantized random weight whose group scales span the FP8 range (rows scaled over 4 decades)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    w *= torch.logspace(-3, 1, n, device="cuda")[torch.randperm(n, device="cuda", generator=g)].unsqueeze(1)
+    return quantize_nvfp4(w)
+
+
+def _rel_err(out, ref):
+    assert out.isfinite().all(), "non-finite output (unwritten or overflowed elements)"
+    out = out.double()
+    frob = ((out - ref).norm() / ref.norm()).item()
+    worst = ((out - ref).abs().amax() / ref.abs().amax()).item()
+    return frob, worst
+
+
+@pytest.fixture(scope="module")
+def tf():
+    pytest.importorskip("triton")
+    from qerl.quant import triton_fp4
+
+    return triton_fp4
+
+
+@pytest.mark.parametrize("shape", DISTINCT, ids=[f"{n}x{k}" for n, k in DISTINCT])
+def test_forward_and_grad_input_match_float64(tf, shape):
+    n, k = shape
+    packed, scale, gs = _random_fp4(n, k, seed=n * 7 + k)
+    w64 = dequantize_nvfp4(packed, scale, gs, torch.float64)
+    for m in ROWS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # fresh inputs for every M
+        frob, worst = _rel_err(tf.fp4_matmul_triton(x, packed, scale, gs), x.double() @ w64.T)
+        assert frob < 5e-3 and worst < 2e-2, f"forward {n}x{k} M={m}: rel err {frob:.2e}, max {worst:.2e}"
+        g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        frob, worst = _rel_err(tf.fp4_matmul_t_triton(g, packed, scale, gs), g.double() @ w64)
+        assert frob < 5e-3 and worst < 2e-2, f"grad_input {n}x{k} M={m}: rel err {frob:.2e}, max {worst:.2e}"
+
+
+@pytest.mark.parametrize("use_asm", [True, False])
+def test_identity_input_reproduces_every_dequantized_weight(tf, use_asm):
+    """x = I turns the kernels into dequantizers: every byte value and a wide range of scales, to 1 bf16 ulp."""
+    n, k = 256, 512
+    packed, scale, gs = _random_fp4(n, k, seed=1)
+    packed[:, :256] = torch.arange(256, dtype=torch.uint8, device="cuda")  # all nibble pairs in every row
+    ref = dequantize_nvfp4(packed, scale, gs, torch.float32)
+    tol = ref.abs() * 2.0**-8 + 1e-30
+    wt = tf.fp4_matmul_triton(torch.eye(k, device="cuda", dtype=torch.bfloat16), packed, scale, gs,
+                              use_asm=use_asm).float()
+    assert ((wt.T - ref).abs() <= tol).all()
+    w = tf.fp4_matmul_t_triton(torch.eye(n, device="cuda", dtype=torch.bfloat16), packed, scale, gs,
+                               use_asm=use_asm).float()
+    assert ((w - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.float32, 2e-3)])
+def test_other_dtypes_bias_and_leading_dims(tf, dtype, tol):
+    n, k = 384, 1024 + 48  # K not a multiple of the K tile: the masked path
+    packed, scale, gs = _random_fp4(n, k, seed=2)
+    w64 = dequantize_nvfp4(packed, scale, gs, torch.float64)
+    x = torch.randn(2, 5, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    out = tf.fp4_matmul_triton(x, packed, scale, gs, bias)
+    assert out.shape == (2, 5, n) and out.dtype == dtype
+    frob, _ = _rel_err(out, x.double() @ w64.T + bias.double())
+    assert frob < tol
+    g = torch.randn(3, 7, n, device="cuda", dtype=dtype)
+    frob, _ = _rel_err(tf.fp4_matmul_t_triton(g, packed, scale, gs), g.double() @ w64)
+    assert frob < tol
+
+
+def test_split_k_is_deterministic_and_rearms_its_counters(tf):
+    """Split-K partials are summed in a fixed order by the last program; repeated calls give identical bits."""
+    n, k = 512, 3584
+    packed, scale, gs = _random_fp4(n, k, seed=3)
+    cfg = tf.forward_config(1, n, k, torch.device("cuda"))
+    assert cfg.split > 1
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    outs = [tf.fp4_matmul_triton(x, packed, scale, gs) for _ in range(5)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    g = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+    grads = [tf.fp4_matmul_t_triton(g, packed, scale, gs) for _ in range(5)]
+    assert all(torch.equal(grads[0], o) for o in grads[1:])
+
+
+def test_dispatch_uses_triton_on_cuda(tf):
+    from qerl.quant.kernels import fp4_matmul, fp4_matmul_t
+
+    packed, scale, gs = _random_fp4(256, 512, seed=4)
+    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fp4_matmul(x, packed, scale, gs), tf.fp4_matmul_triton(x, packed, scale, gs))
+    g = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fp4_matmul_t(g, packed, scale, gs), tf.fp4_matmul_t_triton(g, packed, scale, gs))
+
+
+def test_bad_inputs_raise_one_line_errors(tf):
+    from qerl.errors import QerlError
+
+    packed, scale, gs = _random_fp4(64, 128, seed=5)
+    with pytest.raises(QerlError, match="x: last dim"):
+        tf.fp4_matmul_triton(torch.randn(2, 64, device="cuda"), packed, scale, gs)
+    with pytest.raises(QerlError, match="weight_scale"):
+        tf.fp4_matmul_triton(torch.randn(2, 128, device="cuda"), packed, scale.float(), gs)
