@@ -62,6 +62,30 @@ def split_causal_lm(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     return body, head
 
 
+def _padding_safe_mask(model, attention_mask: Tensor) -> Tensor:
+    """The mask to give the decoder: the 2-D one, or for left-padded batches a 4-D causal + key-padding mask in
+    which each padded query attends to itself.
+
+    Leading pad positions otherwise have every key masked; CUDA SDPA kernels then return NaN gradients for those
+    rows, and the NaN spreads into every weight's gradient (measured: torch 2.11 + transformers 5.17 on an H200,
+    plain model(...) too). Real tokens see exactly the keys they saw before, so log-probs do not change.
+    """
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl not in ("sdpa", "eager") or bool(attention_mask[:, 0].all()):
+        return attention_mask
+    length = attention_mask.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
+    allowed = causal[None] & attention_mask.bool()[:, None, :]
+    empty = ~allowed.any(-1, keepdim=True)  # only leading pads: other rows keep HF's mask exactly
+    allowed |= torch.eye(length, dtype=torch.bool, device=attention_mask.device)[None] & empty
+    allowed = allowed[:, None]  # (B, 1, L, L)
+    if impl == "sdpa":
+        return allowed
+    dtype = model.get_input_embeddings().weight.dtype  # eager adds the mask to the scores
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
+                                                                                      torch.finfo(dtype).min)
+
+
 def _chunk_logprobs(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float):
     """log p(target) and entropy for a (N, H) chunk; logits live only inside this call (checkpointed)."""
     logits = head(hidden).float()
@@ -96,8 +120,8 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logits_to_k
     body, head = split_causal_lm(model)
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False).last_hidden_state
+    hidden = body(input_ids=input_ids, attention_mask=_padding_safe_mask(model, attention_mask),
+                  position_ids=position_ids, use_cache=False).last_hidden_state
     batch, keep = input_ids.shape[0], logits_to_keep
     # position t predicts token t+1: the states before the last `keep` tokens score them
     hidden = hidden[:, -keep - 1:-1, :].reshape(batch * keep, -1)
