@@ -173,12 +173,18 @@ def _norm_str(s: str) -> str:
     return re.sub(r"\s+", "", s).strip("$.").lower()
 
 
+def _clean_latex(s: str) -> str:
+    """Drop currency "\\$" (it reads as a math delimiter to the parser) and thin spaces inside numbers."""
+    return s.replace("\\$", "").replace("\\!", "").replace("{,}", ",").strip()
+
+
 def _math_equal(pred: str, gold: str, timeout_s: int) -> bool:
     """math-verify equivalence of two LaTeX answers (each already extracted), with a string fallback."""
     from math_verify import parse, verify
 
     if _norm_str(pred) == _norm_str(gold) and _norm_str(gold):
         return True
+    pred, gold = _clean_latex(pred), _clean_latex(gold)
     gold_parsed = _parse_gold_latex(gold, timeout_s)
     if not gold_parsed:
         return False
