@@ -88,8 +88,8 @@ def _fake_quant_errors(model: nn.Module) -> dict[str, float]:
 
 
 def _rel_error(w: torch.Tensor, q: torch.Tensor) -> float:
-    w = w.double()
-    return float((w - q.double()).norm() / w.norm().clamp(min=1e-30))
+    w = w.detach().double()
+    return float((w - q.detach().double()).norm() / w.norm().clamp(min=1e-30))
 
 
 def _quantize_llmcompressor(model_path, out_dir: Path, scheme, texts, num_samples, max_seq_length) -> dict:
