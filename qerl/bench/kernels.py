@@ -203,23 +203,22 @@ def run(models: list[str], rows_m: list[int], naive: bool) -> dict:
     return result
 
 
-# Candidate tiles per row bucket: (bm, bn, bk, warps, stages, swap_ab); split-K is chosen per shape.
+# Candidate tiles per row bucket: (bm, bn, bk, warps, stages, maxnreg); split-K: none, 2 and 6 programs per SM.
+# "dense" = chunked dequantize + cuBLAS (qerl.quant.triton_dequant).
 SWEEP_FWD = {
-    16: [(16, 64, 256, 4, 4, False), (16, 64, 128, 4, 4, False), (16, 128, 128, 4, 4, False),
-         (16, 32, 256, 4, 4, False), (16, 64, 256, 4, 3, False), (16, 64, 256, 4, 4, True)],
-    64: [(64, 64, 128, 4, 4, False), (64, 64, 128, 4, 4, True), (64, 128, 128, 8, 3, False),
-         (32, 64, 128, 4, 4, False), (16, 64, 256, 4, 4, False)],
-    256: [(128, 128, 64, 8, 4, False), (64, 128, 128, 4, 4, False), (128, 64, 128, 4, 4, False),
-          (128, 128, 64, 8, 4, True), (64, 64, 128, 4, 4, False)],
-    2048: [(128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, False), (256, 128, 64, 8, 3, False),
-           (128, 128, 64, 8, 4, True), (128, 256, 64, 8, 4, False), (128, 128, 128, 8, 3, False)],
+    16: [(16, 32, 256, 4, 4, None), (16, 32, 128, 4, 4, None), (16, 64, 128, 4, 4, None), (16, 64, 256, 8, 4, None),
+         (16, 128, 128, 8, 4, None), (16, 32, 128, 4, 2, None), (16, 32, 256, 4, 4, 128), "dense"],
+    64: [(32, 64, 128, 4, 4, None), (64, 64, 128, 4, 4, None), (32, 64, 256, 4, 3, None), (32, 128, 128, 8, 4, None),
+         "dense"],
+    256: [(128, 128, 64, 8, 4, None), (64, 64, 128, 4, 4, None), "dense"],
+    2048: [(128, 128, 64, 8, 4, None), "dense"],
 }
-SWEEP_BWD = {  # (bm, bn = reduction step, bk = output tile, warps, stages)
-    16: [(16, 128, 128, 4, 4), (16, 64, 256, 4, 4), (16, 128, 64, 4, 4), (16, 256, 64, 4, 3)],
-    64: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 64, 256, 8, 3)],
-    256: [(128, 64, 128, 8, 4), (128, 64, 256, 8, 3), (64, 64, 128, 4, 4)],
-    2048: [(128, 64, 256, 8, 3), (128, 64, 128, 8, 4), (256, 64, 128, 8, 3), (128, 64, 256, 8, 4),
-           (128, 32, 256, 8, 4)],
+SWEEP_BWD = {  # bn = reduction step over N, bk = output tile along K
+    16: [(16, 128, 64, 4, 4, None), (16, 128, 128, 4, 4, None), (16, 256, 64, 8, 3, None), (16, 64, 64, 4, 4, None),
+         "dense"],
+    64: [(64, 128, 64, 4, 4, None), (64, 64, 128, 4, 4, None), (32, 128, 64, 4, 4, None), "dense"],
+    256: [(128, 64, 128, 8, 4, None), (64, 128, 64, 4, 4, None), "dense"],
+    2048: [(128, 64, 128, 8, 4, None), "dense"],
 }
 
 
@@ -227,9 +226,26 @@ def _bucket(m: int) -> int:
     return next(b for b in sorted(SWEEP_FWD) if m <= b) if m <= max(SWEEP_FWD) else max(SWEEP_FWD)
 
 
-def _try_config(kind, cfg, n, k, m, ref, call, copies) -> dict:
-    """Error vs the default config's output and time of one config; a config that fails to build is recorded."""
-    row = {"kind": kind, "N": n, "K": k, "M": m, "config": list(cfg)}
+def _candidates(tf, kind, m, n, k):
+    """(label, kwargs) of every config to try for one shape."""
+    dev = torch.device("cuda")
+    for cand in (SWEEP_FWD if kind == "fwd" else SWEEP_BWD)[_bucket(m)]:
+        if cand == "dense":
+            yield "dense", {"path": "dense"}
+            continue
+        bm, bn, bk, warps, stages, maxnreg = cand
+        tiles = math.ceil(m / bm) * (math.ceil(n / bn) if kind == "fwd" else k // bk)
+        k_tiles = math.ceil(k / bk) if kind == "fwd" else math.ceil(n / bn)
+        splits = {1} if m > 64 else {1, tf._pick_split(tiles, k_tiles, dev, waves=2),
+                                     tf._pick_split(tiles, k_tiles, dev, waves=6)}
+        for sp in sorted(splits):
+            cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages, 8, maxnreg)
+            yield str(list(cfg)[:6] + ([maxnreg] if maxnreg else [])), {"config": cfg}
+
+
+def _try_config(kind, label, n, k, m, ref, call, copies) -> dict:
+    """Error vs the default output and time of one config; a config that fails to build is recorded."""
+    row = {"kind": kind, "N": n, "K": k, "M": m, "config": label}
     try:
         row["err"] = ((call(0).float() - ref).norm() / ref.norm()).item()
         row["us"] = graph_time_us(call, copies)
@@ -239,24 +255,15 @@ def _try_config(kind, cfg, n, k, m, ref, call, copies) -> dict:
 
 
 def _sweep_one(tf, n, k, m, fp4, x, g) -> list[dict]:
-    dev = torch.device("cuda")
     out = []
     ref = tf.fp4_matmul_triton(x, *fp4[0]).float()
     ref_t = tf.fp4_matmul_t_triton(g, *fp4[0]).float()
-    for bm, bn, bk, warps, stages, swap in SWEEP_FWD[_bucket(m)]:
-        tiles = math.ceil(m / bm) * math.ceil(n / bn)
-        split = tf._pick_split(tiles, math.ceil(k / bk), dev) if m <= 256 else 1
-        for sp in sorted({1, split}):
-            cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages, 8, swap)
-            out.append(_try_config("fwd", cfg, n, k, m, ref, lambda i, c=cfg: tf.fp4_matmul_triton(
-                x, *fp4[i], config=c), len(fp4)))
-    for bm, bn, bk, warps, stages in SWEEP_BWD[_bucket(m)]:
-        tiles = math.ceil(m / bm) * (k // bk)
-        split = tf._pick_split(tiles, math.ceil(n / bn), dev) if m <= 256 else 1
-        for sp in sorted({1, split}):
-            cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages)
-            out.append(_try_config("bwd", cfg, n, k, m, ref_t, lambda i, c=cfg: tf.fp4_matmul_t_triton(
-                g, *fp4[i], config=c), len(fp4)))
+    for label, kw in _candidates(tf, "fwd", m, n, k):
+        out.append(_try_config("fwd", label, n, k, m, ref, lambda i, kw=kw: tf.fp4_matmul_triton(
+            x, *fp4[i], **kw), len(fp4)))
+    for label, kw in _candidates(tf, "bwd", m, n, k):
+        out.append(_try_config("bwd", label, n, k, m, ref_t, lambda i, kw=kw: tf.fp4_matmul_t_triton(
+            g, *fp4[i], **kw), len(fp4)))
     return out
 
 
@@ -274,9 +281,8 @@ def sweep(rows_m: list[int]) -> list[dict]:
             for kind in ("fwd", "bwd"):
                 best = min((r for r in res if r["kind"] == kind), key=lambda r: r["us"])
                 print(f"sweep {kind} {layer} {n}x{k} M={m}: best {best['config']} {best['us']:.1f} us; all "
-                      + ", ".join(f"{r['config'][:6]}{'S' if r['config'][7] else ''}={r['us']:.1f}"
-                                  f"{'' if r['err'] <= 1e-2 else '!'}" for r in res if r["kind"] == kind),
-                      flush=True)
+                      + ", ".join(f"{r['config']}={r['us']:.1f}{'' if r['err'] <= 1e-2 else '!'}"
+                                  for r in res if r["kind"] == kind), flush=True)
             results += res
     return results
 

@@ -109,6 +109,20 @@ def _load_weight_tile(wp_ptr, ws_ptr, rows, kt, row_mask, K, swn, ssn, BK: tl.co
 
 
 @triton.jit
+def _load_rows(a_ptr, rows, cols, R, C, sr, sc, EVEN_R: tl.constexpr, EVEN_C: tl.constexpr):
+    """An activation tile; rows past R are masked (zero-filled, no memory traffic), e.g. 15 of 16 when M = 1."""
+    ptrs = a_ptr + rows[:, None].to(tl.int64) * sr + cols[None, :] * sc
+    if EVEN_R and EVEN_C:
+        return tl.load(ptrs)
+    elif EVEN_R:
+        return tl.load(ptrs, mask=cols[None, :] < C, other=0)
+    elif EVEN_C:
+        return tl.load(ptrs, mask=rows[:, None] < R, other=0)
+    else:
+        return tl.load(ptrs, mask=(rows[:, None] < R) & (cols[None, :] < C), other=0)
+
+
+@triton.jit
 def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """Grouped program order (GROUP_M row tiles share each weight tile while it is in L2)."""
     pid = tl.program_id(0)
@@ -153,42 +167,26 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
                    M, N, K, sxm, sxk, som, son, swn, ssn,
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr,
-                   SWAP_AB: tl.constexpr):
-    """out (M, N) = x (M, K) @ deq(W).T; program (tile, split) reduces K-tiles [split*T, (split+1)*T).
-
-    SWAP_AB computes the transposed tile deq(W) @ x.T: the dequantized weight is then the register operand (A) of
-    the tensor-core instruction and never goes through shared memory, and a few rows of x fill its N side."""
+                   EVEN_M: tl.constexpr):
+    """out (M, N) = x (M, K) @ deq(W).T; program (tile, split) reduces K-tiles [split*T, (split+1)*T)."""
     tile, pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    rm = offs_m % M  # wrapped rows/cols load real data; only the store is masked
-    rn = offs_n % N
+    rn = offs_n % N  # wrapped weight rows load real data; only the store is masked
     k_tiles = tl.cdiv(K, BK)
     per_split = tl.cdiv(k_tiles, SPLIT)
     kt0 = tl.program_id(1) * per_split
     kt1 = tl.minimum(kt0 + per_split, k_tiles)
     offs_k = tl.arange(0, BK)
-    if SWAP_AB:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(kt0, kt1):
         ks = kt * BK + offs_k
-        x_ptrs = x_ptr + rm[:, None].to(tl.int64) * sxm + ks[None, :] * sxk
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-        else:
-            a = tl.load(x_ptrs, mask=ks[None, :] < K, other=0)
+        a = _load_rows(x_ptr, offs_m, ks, M, K, sxm, sxk, EVEN_M, EVEN_K)
         p, s = _load_weight_tile(wp_ptr, ws_ptr, rn, kt, rn < N, K, swn, ssn, BK, EVEN_K)
         w = _dequant_tile(p, s, BN, BK, USE_ASM)
         if a.dtype != tl.bfloat16:
             w = w.to(a.dtype)  # exact: e2m1 * fp8 scale fits fp16 and fp32
-        if SWAP_AB:
-            acc = tl.dot(w, tl.trans(a), acc)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-    if SWAP_AB:
-        acc = tl.trans(acc)
+        acc = tl.dot(a, tl.trans(w), acc)
     acc = acc * (1.0 / tl.load(gs_ptr))
     _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
                  HAS_BIAS, SPLIT, BM, BN)
@@ -198,12 +196,12 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
 def _fp4_mm_t_kernel(g_ptr, wp_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
                      M, N, K, sgm, sgn, som, sok, swn, ssn,
                      BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                     SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_N: tl.constexpr):
+                     SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_N: tl.constexpr,
+                     EVEN_M: tl.constexpr):
     """out (M, K) = g (M, N) @ deq(W); the tile is (BM, BK) of the output, reducing over N in steps of BN."""
     tile, pid_m, pid_k = _tile_ids(M, K, BM, BK, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BK + tl.arange(0, BK)
-    rm = offs_m % M
     n_tiles = tl.cdiv(N, BN)
     per_split = tl.cdiv(n_tiles, SPLIT)
     nt0 = tl.program_id(1) * per_split
@@ -212,12 +210,10 @@ def _fp4_mm_t_kernel(g_ptr, wp_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
     acc = tl.zeros((BM, BK), dtype=tl.float32)
     for nt in range(nt0, nt1):
         ns = nt * BN + offs_nb
-        g_ptrs = g_ptr + rm[:, None].to(tl.int64) * sgm + ns[None, :] * sgn
+        a = _load_rows(g_ptr, offs_m, ns, M, N, sgm, sgn, EVEN_M, EVEN_N)
         if EVEN_N:
-            a = tl.load(g_ptrs)
             p, s = _load_weight_tile(wp_ptr, ws_ptr, ns, pid_k, ns < N, K, swn, ssn, BK, True)
         else:
-            a = tl.load(g_ptrs, mask=ns[None, :] < N, other=0)
             p, s = _load_weight_tile(wp_ptr, ws_ptr, ns % N, pid_k, ns < N, K, swn, ssn, BK, False)
         w = _dequant_tile(p, s, BN, BK, USE_ASM)
         if a.dtype != tl.bfloat16:
@@ -237,55 +233,60 @@ class KernelConfig(NamedTuple):
     warps: int = 4
     stages: int = 3
     group_m: int = 8
-    swap_ab: bool = False
+    maxnreg: int | None = None  # register cap per thread: more programs per SM, at the risk of spills
 
 
 def _target_programs(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _pick_split(tiles: int, k_tiles: int, device: torch.device, min_tiles_per_split: int = 2) -> int:
-    """Enough reduction splits that tiles * split fills ~2 waves, keeping >= min_tiles_per_split K-tiles each."""
-    want = math.ceil(_target_programs(device) / max(1, tiles))
+def _pick_split(tiles: int, k_tiles: int, device: torch.device, min_tiles_per_split: int = 2,
+                waves: int = 2) -> int:
+    """Enough reduction splits that tiles * split fills `waves` programs per SM, keeping >= min_tiles_per_split
+    K-tiles each."""
+    want = math.ceil(waves * _target_programs(device) / 2 / max(1, tiles))
     return max(1, min(want, k_tiles // min_tiles_per_split, 16))
 
 
-def _largest_block(dim: int, candidates=(256, 128, 64, 32, 16)) -> int:
-    for c in candidates:
-        if dim % c == 0:
+def _k_block(k: int, preferred: int) -> int:
+    """The preferred K tile if it divides k, else the largest of 128/64 that does, else preferred (masked tail)."""
+    for c in (preferred, 128, 64):
+        if c <= preferred and k % c == 0:
             return c
-    return 16
+    return preferred
+
+
+# Rows from which the matmuls go through chunked dequantize + cuBLAS (qerl.quant.triton_dequant): measured on an
+# H200, the fused kernels lose to cuBLAS once the GEMM is compute bound.
+DENSE_MIN_ROWS = 128
 
 
 def forward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
-    """Tiles per M bucket: tiny M is a bandwidth problem (small tiles, split-K); large M a tensor-core one."""
+    """Fused-kernel tiles per M bucket (picked by `python -m qerl.bench.kernels --sweep` on an H200): few rows
+    are a bandwidth problem (narrow tiles, split-K to fill every SM); many rows a tensor-core one."""
     if M <= 16:
-        bm, bn, bk, warps, stages = 16, 64, 256, 4, 4
+        bm, bn, bk, warps, stages = 16, 32, 256, 4, 4
     elif M <= 64:
-        bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
-    elif M <= 256:
-        bm, bn, bk, warps, stages = 128, 128, 64, 8, 4
+        bm, bn, bk, warps, stages = 32, 64, 128, 4, 4
     else:
-        bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
-    bk = min(bk, _largest_block(K))
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 4
+    bk = _k_block(K, bk)
     tiles = math.ceil(M / bm) * math.ceil(N / bn)
-    split = _pick_split(tiles, math.ceil(K / bk), device) if M <= 256 else 1
+    split = _pick_split(tiles, math.ceil(K / bk), device) if M <= 64 else 1
     return KernelConfig(bm, bn, bk, split, warps, stages)
 
 
 def backward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
-    """Same buckets for grad_input: bn is the reduction step over N, bk the output tile along K."""
+    """Same for grad_input: bn is the reduction step over N, bk the output tile along K (must divide K)."""
     if M <= 16:
-        bm, bk, bn, warps, stages = 16, 128, 128, 4, 4
+        bm, bn, bk, warps, stages = 16, 128, 64, 4, 4
     elif M <= 64:
-        bm, bk, bn, warps, stages = 64, 128, 64, 4, 4
-    elif M <= 256:
-        bm, bk, bn, warps, stages = 128, 128, 64, 8, 4
+        bm, bn, bk, warps, stages = 64, 128, 64, 4, 4
     else:
-        bm, bk, bn, warps, stages = 128, 256, 64, 8, 3
-    bk = min(bk, _largest_block(K))
-    tiles = math.ceil(M / bm) * math.ceil(K / bk)
-    split = _pick_split(tiles, math.ceil(N / bn), device) if M <= 256 else 1
+        bm, bn, bk, warps, stages = 128, 64, 128, 8, 4
+    bk = next(c for c in (bk, 64, 32, 16) if K % c == 0)
+    tiles = math.ceil(M / bm) * (K // bk)
+    split = _pick_split(tiles, math.ceil(N / bn), device) if M <= 64 else 1
     return KernelConfig(bm, bn, bk, split, warps, stages)
 
 
@@ -293,10 +294,8 @@ _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(device: torch.device, part_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K partials (fp32) and per-tile arrival counters, one set per (device, stream).
-
-    Counters start at zero and each launch leaves them at zero, so no memset launch is needed; a set per stream
-    keeps concurrent streams apart. Warm a shape up before CUDA-graph capture so no allocation is captured."""
+    """Split-K partials (fp32) and per-tile arrival counters (left at zero by every launch: no memset), one set
+    per (device, stream). Warm a shape up before CUDA-graph capture so no allocation is captured."""
     if device.type == "cuda":
         key = (device.index if device.index is not None else torch.cuda.current_device(),
                torch.cuda.current_stream(device).cuda_stream)
@@ -335,9 +334,18 @@ def _check(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, di
     return n, k
 
 
+def _use_dense(path: str, m: int, config) -> bool:
+    if path not in ("auto", "fused", "dense"):
+        raise QerlError(f"path: expected 'auto', 'fused' or 'dense', got {path!r}")
+    return path == "dense" or (path == "auto" and config is None and m >= DENSE_MIN_ROWS)
+
+
 def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=None, *,
-                      config: KernelConfig | None = None, use_asm: bool = True):
-    """x (..., K) @ deq(W).T (+ bias) -> (..., N) in x.dtype; bf16 tensor cores (fp16 for fp16, tf32 for fp32)."""
+                      config: KernelConfig | None = None, use_asm: bool = True, path: str = "auto"):
+    """x (..., K) @ deq(W).T (+ bias) -> (..., N) in x.dtype; bf16 tensor cores (fp16 for fp16, tf32 for fp32).
+
+    path: "fused" (one Triton kernel), "dense" (chunked dequantize + cuBLAS) or "auto" (dense from
+    DENSE_MIN_ROWS rows on)."""
     n, k = _check(x, weight_packed, weight_scale, weight_global_scale, 1, "x")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -345,6 +353,11 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
+    if _use_dense(path, m, config):
+        from qerl.quant.triton_dequant import dense_fp4_matmul
+
+        return dense_fp4_matmul(x2, weight_packed, weight_scale, weight_global_scale, bias, out,
+                                use_asm).reshape(*lead, n)
     cfg = config or forward_config(m, n, k, x.device)
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     part, cnt = _workspace(x.device, tiles * cfg.split * cfg.bm * cfg.bn if cfg.split > 1 else 0, tiles)
@@ -356,13 +369,15 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
         x2, wp, ws, gs, b, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
         wp.stride(0), ws.stride(0),
         HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
-        USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, SWAP_AB=cfg.swap_ab, num_warps=cfg.warps, num_stages=cfg.stages)
+        USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, num_warps=cfg.warps, num_stages=cfg.stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.reshape(*lead, n)
 
 
 def fp4_matmul_t_triton(g, weight_packed, weight_scale, weight_global_scale, *,
-                        config: KernelConfig | None = None, use_asm: bool = True):
-    """g (..., N) @ deq(W) -> (..., K) in g.dtype: the input gradient, reading W transposed, never dense."""
+                        config: KernelConfig | None = None, use_asm: bool = True, path: str = "auto"):
+    """g (..., N) @ deq(W) -> (..., K) in g.dtype: the input gradient, reading W transposed; W is never dense
+    (the "dense" path holds at most two bounded chunks of it)."""
     n, k = _check(g, weight_packed, weight_scale, weight_global_scale, 0, "grad_out")
     lead = g.shape[:-1]
     g2 = g.reshape(-1, n)
@@ -370,6 +385,11 @@ def fp4_matmul_t_triton(g, weight_packed, weight_scale, weight_global_scale, *,
     out = torch.empty(m, k, dtype=g.dtype, device=g.device)
     if m == 0:
         return out.reshape(*lead, k)
+    if _use_dense(path, m, config):
+        from qerl.quant.triton_dequant import dense_fp4_matmul_t
+
+        return dense_fp4_matmul_t(g2, weight_packed, weight_scale, weight_global_scale, out,
+                                  use_asm).reshape(*lead, k)
     cfg = config or backward_config(m, n, k, g.device)
     if k % cfg.bk:
         raise QerlError(f"weight_packed: in_features {k} must be a multiple of the tile {cfg.bk}")
@@ -381,7 +401,8 @@ def fp4_matmul_t_triton(g, weight_packed, weight_scale, weight_global_scale, *,
         g2, wp, ws, weight_global_scale.reshape(1).to(torch.float32), out, part, cnt, m, n, k,
         g2.stride(0), g2.stride(1), out.stride(0), out.stride(1), wp.stride(0), ws.stride(0),
         BM=cfg.bm, BK=cfg.bk, BN=cfg.bn, SPLIT=cfg.split, GROUP_M=cfg.group_m, USE_ASM=use_asm,
-        EVEN_N=n % cfg.bn == 0, num_warps=cfg.warps, num_stages=cfg.stages)
+        EVEN_N=n % cfg.bn == 0, EVEN_M=m % cfg.bm == 0, num_warps=cfg.warps, num_stages=cfg.stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.reshape(*lead, k)
 
 

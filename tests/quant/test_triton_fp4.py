@@ -59,36 +59,37 @@ def test_forward_and_grad_input_match_float64(tf, shape):
         assert frob < 5e-3 and worst < 2e-2, f"grad_input {n}x{k} M={m}: rel err {frob:.2e}, max {worst:.2e}"
 
 
-@pytest.mark.parametrize("use_asm", [True, False])
-def test_identity_input_reproduces_every_dequantized_weight(tf, use_asm):
-    """x = I turns the kernels into dequantizers: every byte value and a wide range of scales, to 1 bf16 ulp."""
+@pytest.mark.parametrize("use_asm,path", [(True, "fused"), (False, "fused"), (True, "dense"), (False, "dense")])
+def test_identity_input_reproduces_every_dequantized_weight(tf, use_asm, path):
+    """x = I turns the matmuls into dequantizers: every byte value and a wide range of scales, to 1 bf16 ulp."""
     n, k = 256, 512
     packed, scale, gs = _random_fp4(n, k, seed=1)
     packed[:, :256] = torch.arange(256, dtype=torch.uint8, device="cuda")  # all nibble pairs in every row
     ref = dequantize_nvfp4(packed, scale, gs, torch.float32)
     tol = ref.abs() * 2.0**-8 + 1e-30
     wt = tf.fp4_matmul_triton(torch.eye(k, device="cuda", dtype=torch.bfloat16), packed, scale, gs,
-                              use_asm=use_asm).float()
+                              use_asm=use_asm, path=path).float()
     assert ((wt.T - ref).abs() <= tol).all()
     w = tf.fp4_matmul_t_triton(torch.eye(n, device="cuda", dtype=torch.bfloat16), packed, scale, gs,
-                               use_asm=use_asm).float()
+                               use_asm=use_asm, path=path).float()
     assert ((w - ref).abs() <= tol).all()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.float32, 2e-3)])
-def test_other_dtypes_bias_and_leading_dims(tf, dtype, tol):
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 5e-3), (torch.float16, 5e-3), (torch.float32, 2e-3)])
+@pytest.mark.parametrize("rows", [3, 300])  # fused and dense paths
+def test_other_dtypes_bias_and_leading_dims(tf, dtype, tol, rows):
     n, k = 384, 1024 + 48  # K not a multiple of the K tile: the masked path
     packed, scale, gs = _random_fp4(n, k, seed=2)
     w64 = dequantize_nvfp4(packed, scale, gs, torch.float64)
-    x = torch.randn(2, 5, k, device="cuda", dtype=dtype)
+    x = torch.randn(rows, 5, k, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     out = tf.fp4_matmul_triton(x, packed, scale, gs, bias)
-    assert out.shape == (2, 5, n) and out.dtype == dtype
+    assert out.shape == (rows, 5, n) and out.dtype == dtype
     frob, _ = _rel_err(out, x.double() @ w64.T + bias.double())
-    assert frob < tol
-    g = torch.randn(3, 7, n, device="cuda", dtype=dtype)
+    assert frob < tol, f"forward rel err {frob:.2e}"
+    g = torch.randn(rows, 7, n, device="cuda", dtype=dtype)
     frob, _ = _rel_err(tf.fp4_matmul_t_triton(g, packed, scale, gs), g.double() @ w64)
-    assert frob < tol
+    assert frob < tol, f"grad_input rel err {frob:.2e}"
 
 
 def test_split_k_is_deterministic_and_rearms_its_counters(tf):
