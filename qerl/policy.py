@@ -1,0 +1,138 @@
+"""The trainable policy: a frozen base (FP4, NF4 or dense) with LoRA, or a fully trainable dense model.
+
+    from qerl.policy import LoraSpec, load_policy
+    model, tok = load_policy("results/exp/quantized", mode="qlora_fp4", dtype=torch.bfloat16, device="cuda",
+                             lora=LoraSpec(r=32, alpha=64), train_norms=False, gradient_checkpointing=True)
+
+Modes (the paper's table rows): qlora_fp4 = NVFP4/MXFP4 base kept packed (qerl.quant) + LoRA; lora = dense base +
+LoRA; qlora_nf4 = bitsandbytes NF4 base + LoRA (QLoRA, CUDA only); full = every parameter trainable.
+With train_norms the RMSNorm scales train too (they are what AQN perturbs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qerl.errors import QerlError
+
+MODES = ("qlora_fp4", "lora", "qlora_nf4", "full")
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA hyper-parameters (TRL's lora_r / lora_alpha / lora_dropout) and the modules it wraps."""
+
+    r: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self):
+        if self.r <= 0:
+            raise QerlError(f"lora.r: expected a positive rank, got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise QerlError(f"lora.dropout: expected a value in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise QerlError("lora.target_modules: expected at least one module name")
+
+    def to_config(self):
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=list(self.target_modules), bias="none", task_type="CAUSAL_LM")
+
+
+def _check_args(model_path: Path, mode: str, lora: LoraSpec | None) -> None:
+    if mode not in MODES:
+        raise QerlError(f"mode: {mode!r} is not one of {list(MODES)}")
+    if not (model_path / "config.json").is_file():
+        raise QerlError(f"model_path: {model_path}/config.json not found (expected a local HF checkpoint)")
+    if mode == "full" and lora is not None:
+        raise QerlError("lora: mode 'full' trains every weight; leave lora unset")
+    if mode != "full" and lora is None:
+        raise QerlError(f"lora: mode {mode!r} needs a LoraSpec(r, alpha)")
+
+
+def _load_base(model_path: Path, mode: str, dtype: torch.dtype, device) -> nn.Module:
+    """The base model in the form the mode trains on; the checkpoint kind must match the mode."""
+    from transformers import AutoModelForCausalLM
+
+    from qerl.quant.loader import is_quantized_checkpoint, load_quantized_model
+
+    quantized = is_quantized_checkpoint(model_path)
+    if mode == "qlora_fp4":
+        if not quantized:
+            raise QerlError(f"mode qlora_fp4: {model_path} has no quantization_config; run the quantize stage "
+                            f"(scheme nvfp4) and point the policy at its output")
+        return load_quantized_model(model_path, dtype=dtype, device=device)
+    if quantized:
+        raise QerlError(f"mode {mode}: {model_path} is a quantized checkpoint; use the dense (bf16) model")
+    if mode == "qlora_nf4":
+        return _load_nf4(model_path, dtype, device)
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device)
+
+
+def _load_nf4(model_path: Path, dtype: torch.dtype, device) -> nn.Module:
+    """QLoRA's base: bitsandbytes NF4 with double quantization, computing in dtype."""
+    if not torch.cuda.is_available() or torch.device(device).type != "cuda":
+        raise QerlError(f"mode qlora_nf4: bitsandbytes NF4 needs a CUDA device (got device={device!r})")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise QerlError("mode qlora_nf4: bitsandbytes is not installed (pip install bitsandbytes)") from err
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(str(model_path), quantization_config=cfg, dtype=dtype,
+                                                device_map={"": torch.device(device)})
+
+
+def _norm_parameters(model: nn.Module):
+    """The scale of every RMSNorm (decoder layers and the final norm)."""
+    for module in model.modules():
+        if "RMSNorm" in type(module).__name__ and isinstance(getattr(module, "weight", None), nn.Parameter):
+            yield module.weight
+
+
+def _attach_lora(base: nn.Module, mode: str, lora: LoraSpec) -> nn.Module:
+    from peft import get_peft_model
+
+    config = lora.to_config()
+    if mode == "qlora_fp4":
+        from qerl.quant.lora import register_fp4_lora
+
+        register_fp4_lora(config)
+    return get_peft_model(base, config)
+
+
+def load_policy(model_path, *, mode: str, dtype: torch.dtype = torch.float32, device="cpu",
+                lora: LoraSpec | None = None, train_norms: bool = False, gradient_checkpointing: bool = False):
+    """(model, tokenizer): the base frozen except LoRA (and RMSNorm scales with train_norms), or all of it in
+    mode 'full'. The model is returned in train mode."""
+    from transformers import AutoTokenizer
+
+    model_path = Path(model_path)
+    _check_args(model_path, mode, lora)
+    base = _load_base(model_path, mode, dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    base.requires_grad_(mode == "full")
+    if gradient_checkpointing:
+        # non-reentrant: works with a frozen embedding and recomputes FP4Linear through its own backward
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = base if mode == "full" else _attach_lora(base, mode, lora)
+    if train_norms:
+        for weight in _norm_parameters(model):
+            weight.requires_grad_(True)
+    return model.train(), tokenizer
+
+
+def trainable_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the parameters the optimizer will update, in model order."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
