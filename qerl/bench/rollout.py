@@ -1,0 +1,141 @@
+"""Rollout throughput: the torch engine vs transformers' generate on the same model and prompts.
+
+    python -m qerl.bench.rollout --model resources/smollm2-135m-instruct --batch 8 --n 8 \
+        --prompt-len 64 --new-tokens 64 --out results/bench/rollout.json
+
+Both engines sample (temperature 1, no top-k/top-p, the RL setting) len(prompts) * n rows of exactly
+--new-tokens tokens (EOS ignored), so tokens/s compares the same work. Prints a table and writes JSON
+atomically (tmp file + os.replace) so a killed run never leaves a truncated result.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from qerl.errors import QerlError
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="HF model directory (with tokenizer)")
+    p.add_argument("--batch", type=int, default=8, help="number of prompts")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16")
+    p.add_argument("--engines", default="torch,hf", help="comma list of: torch, hf")
+    p.add_argument("--cache", default="auto", help="torch engine KV cache: auto | dynamic | static")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per engine (best is reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/bench/rollout.json")
+    return p.parse_args(argv)
+
+
+def _setup_model(args):
+    """Load model + tokenizer on the requested device and precision."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not Path(args.model, "config.json").exists():
+        raise QerlError(f"--model: expected an HF model directory with config.json, got {args.model}")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype_name = ("bfloat16" if device == "cuda" else "float32") if args.dtype == "auto" else args.dtype
+    if dtype_name not in ("float32", "bfloat16", "float16"):
+        raise QerlError(f"--dtype: expected float32, bfloat16 or float16, got {dtype_name}")
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype_name)).to(device)
+    return model.eval(), tok, device, dtype_name
+
+
+def _prompts(tok, batch: int, length: int, seed: int) -> list[list[int]]:
+    """Random ordinary-token prompts of one length (deterministic per seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    special = set(tok.all_special_ids)
+    ids = torch.randint(0, min(len(tok), 30000), (batch * length * 2,), generator=gen).tolist()
+    ids = [t for t in ids if t not in special][: batch * length]
+    return [ids[i * length:(i + 1) * length] for i in range(batch)]
+
+
+def _time_torch(model, tok, prompts, args) -> tuple[float, int]:
+    from qerl.rollout import SamplingParams
+    from qerl.rollout.torch_engine import TorchEngine
+
+    engine = TorchEngine(model, tok, cache=args.cache, eos_token_ids=())  # no EOS: fixed length
+    sampling = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, seed=args.seed)
+    _sync()
+    start = time.perf_counter()
+    out = engine.generate(prompts, n=args.n, sampling=sampling)
+    _sync()
+    return time.perf_counter() - start, out.num_tokens
+
+
+def _time_hf(model, tok, prompts, args) -> tuple[float, int]:
+    tok.padding_side = "left"
+    enc = tok.pad({"input_ids": prompts}, return_tensors="pt").to(model.device)
+    torch.manual_seed(args.seed)
+    _sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             num_return_sequences=args.n, max_new_tokens=args.new_tokens,
+                             min_new_tokens=args.new_tokens,
+                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    _sync()
+    return time.perf_counter() - start, (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _measure(model, tok, prompts, args) -> list[dict]:
+    """Warm up each engine on a short run, then keep the best of --repeats timed runs."""
+    timers = {"torch": _time_torch, "hf": _time_hf}
+    rows = []
+    for name in args.engines.split(","):
+        if name not in timers:
+            raise QerlError(f"--engines: expected a comma list of torch, hf; got {name!r}")
+        warm = argparse.Namespace(**{**vars(args), "new_tokens": 4})
+        timers[name](model, tok, prompts[:1], warm)
+        runs = [timers[name](model, tok, prompts, args) for _ in range(args.repeats)]
+        seconds, tokens = min(runs)
+        rows.append({"engine": name, "seconds": round(seconds, 3), "tokens": tokens,
+                     "tokens_per_s": round(tokens / seconds, 1)})
+    return rows
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    model, tok, device, dtype_name = _setup_model(args)
+    prompts = _prompts(tok, args.batch, args.prompt_len, args.seed)
+    rows = _measure(model, tok, prompts, args)
+    where = torch.cuda.get_device_name() if device == "cuda" else f"cpu x{torch.get_num_threads()} threads"
+    print(f"model {args.model} | device {where} | {dtype_name} | prompts {args.batch} x n {args.n} | "
+          f"prompt {args.prompt_len} | new {args.new_tokens}")
+    print(f"{'engine':<8}{'seconds':>10}{'tokens':>10}{'tokens/s':>12}")
+    for r in rows:
+        print(f"{r['engine']:<8}{r['seconds']:>10.2f}{r['tokens']:>10d}{r['tokens_per_s']:>12.1f}")
+    payload = {"model": str(args.model), "device": where, "dtype": dtype_name, "batch": args.batch,
+               "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+               "cache": args.cache, "torch": torch.__version__, "python": platform.python_version(),
+               "results": rows}
+    _write_json(Path(args.out), payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""The torch rollout engine against transformers' own generate and a full forward pass (tiny Qwen2, CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl.errors import QerlError
+from qerl.rollout import RolloutOutput, SamplingParams, make_engine
+from qerl.rollout.torch_engine import TorchEngine
+
+TEXTS = ["Hello there, how are you today?", "2+2=", "The quick brown fox jumps over the lazy dog, twice."]
+
+
+@pytest.fixture(scope="module")
+def model_and_tok(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def prompts(model_and_tok):
+    _, tok = model_and_tok
+    ids = [tok(t)["input_ids"] for t in TEXTS]
+    assert len({len(p) for p in ids}) == len(ids)  # different lengths, so left padding is exercised
+    return ids
+
+
+def hf_greedy(model, tok, prompts, max_new: int) -> list[list[int]]:
+    """Reference: transformers' generate on the left-padded batch, never stopping early."""
+    tok.padding_side = "left"
+    enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
+    out = model.generate(**enc, do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
+                         pad_token_id=tok.pad_token_id)
+    return out[:, enc["input_ids"].shape[1]:].tolist()
+
+
+def full_forward_logprobs(model, prompt, completion, temperature: float) -> torch.Tensor:
+    """Reference: log_softmax(logits / T) of the completion tokens from one unpadded forward pass."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_greedy_matches_transformers_generate(model_and_tok, prompts, cache, n):
+    model, tok = model_and_tok
+    ref = hf_greedy(model, tok, prompts, 12)
+    engine = TorchEngine(model, tok, cache=cache, eos_token_ids=())
+    out = engine.generate(prompts, n=n, sampling=SamplingParams(temperature=0, max_tokens=12))
+    assert out.prompt_ids == [p for p in prompts for _ in range(n)]
+    assert out.completion_ids == [r for r in ref for _ in range(n)]
+    assert out.finish_reasons == ["length"] * len(prompts) * n
+    for r, (p, c) in enumerate(zip(out.prompt_ids, out.completion_ids)):  # greedy: log_softmax of raw logits
+        expect = full_forward_logprobs(model, p, c, temperature=0)
+        assert torch.allclose(torch.tensor(out.logprobs[r], dtype=torch.float64), expect, atol=1e-4)
+
+
+def test_each_prompt_prefilled_once_then_one_token_steps(model_and_tok, prompts):
+    model, tok = model_and_tok
+    shapes = []
+    hook = model.model.register_forward_pre_hook(
+        lambda mod, args, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    try:
+        out = TorchEngine(model, tok).generate(prompts, n=4, sampling=SamplingParams(max_tokens=5, seed=0))
+    finally:
+        hook.remove()
+    width = max(len(p) for p in prompts)
+    assert shapes[0] == (len(prompts), width)  # one prefill row per prompt, not per sample
+    assert all(s[1] == 1 and s[0] <= len(prompts) * 4 for s in shapes[1:])
+    assert len(shapes) == 5 and out.stats["prefill_rows"] == len(prompts)
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=1.0), dict(temperature=0.7, top_k=50, top_p=0.9)])
+def test_sampled_logprobs_equal_full_forward_recomputation(model_and_tok, prompts, knobs):
+    model, tok = model_and_tok
+    out = TorchEngine(model, tok).generate(prompts, n=2, sampling=SamplingParams(max_tokens=10, seed=3, **knobs))
+    diffs = [
+        (torch.tensor(out.logprobs[r], dtype=torch.float64)
+         - full_forward_logprobs(model, p, c, knobs["temperature"])).abs()
+        for r, (p, c) in enumerate(zip(out.prompt_ids, out.completion_ids))
+    ]
+    assert torch.cat(diffs).mean() < 1e-4
+    assert len({tuple(c) for c in out.completion_ids}) > 1  # samples differ
+
+
+def test_top_k_one_is_greedy(model_and_tok, prompts):
+    model, tok = model_and_tok
+    engine = TorchEngine(model, tok, eos_token_ids=())
+    greedy = engine.generate(prompts, 1, SamplingParams(temperature=0, max_tokens=6))
+    top1 = engine.generate(prompts, 1, SamplingParams(temperature=1.0, top_k=1, max_tokens=6, seed=1))
+    assert top1.completion_ids == greedy.completion_ids
+
+
+def test_seeds_reproducible_and_per_sequence(model_and_tok, prompts):
+    model, tok = model_and_tok
+    engine = TorchEngine(model, tok)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=7)
+    a = engine.generate(prompts, 2, params)
+    b = engine.generate(prompts, 2, params)
+    other = engine.generate(prompts, 2, SamplingParams(temperature=1.0, max_tokens=8, seed=8))
+    assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
+    assert a.completion_ids != other.completion_ids
+    # a row's draws depend on (seed, row) only: the same rows come back when the batch is split
+    split = TorchEngine(model, tok, max_batch_size=2).generate(prompts, 2, params)
+    assert split.completion_ids == a.completion_ids
+
+
+def test_eos_stops_rows_independently(model_and_tok, prompts):
+    model, tok = model_and_tok
+    ref = hf_greedy(model, tok, prompts, 10)
+    eos = ref[0][3]  # make row 0's 4th greedy token the EOS id
+    for cache in ("dynamic", "static"):
+        out = TorchEngine(model, tok, cache=cache, eos_token_ids=[eos]).generate(
+            prompts, 1, SamplingParams(temperature=0, max_tokens=10))
+        for r, row in enumerate(ref):
+            cut = row.index(eos) + 1 if eos in row else len(row)
+            assert out.completion_ids[r] == row[:cut]
+            assert out.finish_reasons[r] == ("stop" if eos in row else "length")
+        assert out.finish_reasons[0] == "stop" and len(out.completion_ids[0]) <= 4
+
+
+def test_stop_strings_and_max_tokens(model_and_tok, prompts):
+    model, tok = model_and_tok
+    engine = TorchEngine(model, tok, eos_token_ids=())
+    ref = engine.generate(prompts, 1, SamplingParams(temperature=0, max_tokens=12)).completion_ids
+    text = tok.decode(ref[1][4:6])
+    stop = text.strip()[:3] or text[:3]
+    assert stop
+    out = engine.generate(prompts, 1, SamplingParams(temperature=0, max_tokens=12, stop=(stop,)))
+    for r, row in enumerate(ref):
+        hit = next((k for k in range(1, len(row) + 1) if stop in tok.decode(row[:k])), None)
+        assert out.completion_ids[r] == row[:hit or len(row)]
+        assert out.finish_reasons[r] == ("stop" if hit else "length")
+    assert out.finish_reasons[1] == "stop" and len(out.completion_ids[1]) <= 6
+    short = engine.generate(prompts, 2, SamplingParams(max_tokens=3, seed=0))
+    assert [len(c) for c in short.completion_ids] == [3] * 6 and set(short.finish_reasons) == {"length"}
+
+
+def test_peft_adapter_is_used(tiny_model_dir, prompts):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base_out = TorchEngine(base, tok, eos_token_ids=()).generate(prompts, 1, SamplingParams(temperature=0, max_tokens=8))
+    torch.manual_seed(0)  # init_lora_weights=False: random non-zero B, so the adapter changes the outputs
+    config = LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    model = get_peft_model(base, config)
+    model.train()
+    out = TorchEngine(model, tok, eos_token_ids=()).generate(prompts, 2, SamplingParams(temperature=0, max_tokens=8))
+    assert model.training and model.base_model.model.model.layers[0].training  # training mode restored
+    ref = hf_greedy(model, tok, prompts, 8)
+    assert out.completion_ids == [r for r in ref for _ in range(2)]
+    assert out.completion_ids[::2] != base_out.completion_ids
+
+
+def test_gradient_checkpointing_model_still_uses_cache(tiny_model_dir, prompts):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ref = TorchEngine(model, tok).generate(prompts, 1, SamplingParams(temperature=0, max_tokens=5))
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    model.train()
+    out = TorchEngine(model, tok).generate(prompts, 1, SamplingParams(temperature=0, max_tokens=5))
+    assert out.completion_ids == ref.completion_ids and model.training
+
+
+def test_output_helpers(model_and_tok, prompts):
+    model, tok = model_and_tok
+    out = make_engine("torch", model, tok).generate(prompts, 2, SamplingParams(max_tokens=4, seed=0))
+    assert out.num_tokens == sum(len(c) for c in out.completion_ids)
+    assert out.texts(tok) == tok.batch_decode(out.completion_ids, skip_special_tokens=True)
+    with pytest.raises(QerlError, match="logprobs"):
+        RolloutOutput([[1]], [[2, 3]], [[0.0]], ["length"])
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0),
+                                 dict(stop=("",)), dict(seed=-1), dict(temperature=float("nan"))])
+def test_sampling_params_validation(bad):
+    with pytest.raises(QerlError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def test_bad_arguments_raise_one_line_errors(model_and_tok):
+    model, tok = model_and_tok
+    assert SamplingParams(stop="###").stop == ("###",)
+    with pytest.raises(QerlError, match="rollout.engine"):
+        make_engine("nope", model, tok)
+    with pytest.raises(QerlError, match=r"prompt_ids\[1\]"):
+        TorchEngine(model, tok).generate([[1, 2], []], 1)
+    with pytest.raises(QerlError, match="n must be"):
+        TorchEngine(model, tok).generate([[1, 2]], 0)
+    with pytest.raises(QerlError, match="use_cuda_graph"):
+        TorchEngine(model, tok, use_cuda_graph=True)  # CPU model
+
+
+def test_vllm_missing_names_the_extra(model_and_tok):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm installed: covered by the vllm engine's tests")
+    model, tok = model_and_tok
+    with pytest.raises(QerlError, match=r"qerl\[vllm\]"):
+        make_engine("vllm", model, tok)
