@@ -1,0 +1,172 @@
+"""Merge a trained LoRA adapter into its base and write a plain HF checkpoint (what evaluation and vLLM serve).
+
+    from qerl.merging import merge_adapter
+    report = merge_adapter("results/exp/quantized", "results/exp/adapter", "results/exp/merged")
+
+An FP4 base is dequantized exactly in float32, the adapter is merged by peft's merge_and_unload on that dense
+model, trained RMSNorm scales (qerl.checkpoint's trained_norms.safetensors) are copied in, and the result is cast
+to `dtype` once and saved without scale tensors or quantization_config. The report's max_abs_diff is recomputed
+from the files alone: saved weight vs deq(W) + B @ A * scaling in float64.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qerl.errors import QerlError
+
+TRAINED_NORMS_FILE = "trained_norms.safetensors"  # written by qerl.checkpoint.save_trained_norms
+
+
+def _dense_from_fp4(base_dir: Path) -> nn.Module:
+    """A float32 HF model whose quantized Linears hold deq(W) (exact: E2M1 x FP8 / FP32 fits in float32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qerl.quant.loader import _materialize_computed_buffers, load_quantized_model
+
+    fp4 = load_quantized_model(base_dir, dtype=torch.float32)
+    state = {}
+    for name, tensor in fp4.state_dict().items():
+        module_name, _, leaf = name.rpartition(".")
+        if leaf in ("weight_packed", "weight_scale", "weight_global_scale"):
+            if leaf == "weight_packed":
+                state[f"{module_name}.weight"] = fp4.get_submodule(module_name).dequantize_weight(torch.float32)
+        else:
+            state[name] = tensor
+    config = AutoConfig.from_pretrained(str(base_dir))
+    del config.quantization_config
+    with torch.device("meta"):
+        dense = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    dense.load_state_dict(state, strict=False, assign=True)
+    dense.tie_weights()
+    _materialize_computed_buffers(dense, "cpu")
+    return dense
+
+
+def _load_base(base_dir: Path) -> tuple[nn.Module, bool]:
+    from transformers import AutoModelForCausalLM
+
+    from qerl.quant.loader import is_quantized_checkpoint
+
+    if is_quantized_checkpoint(base_dir):
+        return _dense_from_fp4(base_dir), True
+    return AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32), False
+
+
+def _copy_trained_norms(model: nn.Module, adapter_dir: Path) -> list[str]:
+    """Overwrite RMSNorm scales trained beside LoRA; names are the plain base model's."""
+    from safetensors.torch import load_file
+
+    path = adapter_dir / TRAINED_NORMS_FILE
+    if not path.is_file():
+        return []
+    params = dict(model.named_parameters())
+    norms = load_file(str(path))
+    for name, value in norms.items():
+        if name not in params or params[name].shape != value.shape:
+            want = tuple(params[name].shape) if name in params else "no such parameter"
+            raise QerlError(f"{path}: tensor {name} {tuple(value.shape)} does not fit the base model ({want})")
+        with torch.no_grad():
+            params[name].copy_(value)
+    return sorted(norms)
+
+
+def _save_plain(model: nn.Module, base_dir: Path, adapter_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    model.to(dtype).save_pretrained(str(out_dir))
+    tok_src = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
+    AutoTokenizer.from_pretrained(str(tok_src)).save_pretrained(str(out_dir))
+    if (base_dir / "generation_config.json").is_file():
+        GenerationConfig.from_pretrained(str(base_dir)).save_pretrained(str(out_dir))
+
+
+def _lora_scaling(adapter_dir: Path) -> tuple[dict, float]:
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise QerlError(f"{adapter_dir}/adapter_config.json: rank_pattern/alpha_pattern are not supported")
+    r = cfg["r"]
+    return cfg, cfg["lora_alpha"] / (r ** 0.5 if cfg.get("use_rslora") else r)
+
+
+class _Tensors:
+    """Lazy name -> tensor access over a directory's safetensors files (one tensor in memory at a time)."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.files = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                self.files.update(dict.fromkeys(f.keys(), file))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        with self._open(str(self.files[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    def get(self, key: str):
+        return self[key] if key in self else None
+
+
+def _independent_max_diff(base_dir: Path, adapter_dir: Path, out_dir: Path) -> tuple[float, float, int]:
+    """max |merged - (deq(W) + B @ A * scaling)| over the adapted layers, from the three directories' files."""
+    from qerl.quant.format import dequantize
+
+    _, scaling = _lora_scaling(adapter_dir)
+    adapter, base, merged = _Tensors(adapter_dir), _Tensors(base_dir), _Tensors(out_dir)
+    max_diff, max_weight, count = 0.0, 0.0, 0
+    for key in sorted(k for k in adapter.files if k.endswith("lora_A.weight")):
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        a, b = adapter[key].double(), adapter[key.replace("lora_A", "lora_B")].double()
+        if f"{module}.weight_packed" in base:
+            w = dequantize(base[f"{module}.weight_packed"], base[f"{module}.weight_scale"],
+                           base.get(f"{module}.weight_global_scale"), dtype=torch.float64)
+        else:
+            w = base[f"{module}.weight"].double()
+        expected = w + (b @ a) * scaling
+        got = merged[f"{module}.weight"].double()
+        max_diff = max(max_diff, float((got - expected).abs().max()))
+        max_weight = max(max_weight, float(expected.abs().max()))
+        count += 1
+    return max_diff, max_weight, count
+
+
+def merge_adapter(base_dir, adapter_dir, out_dir, *, dtype: torch.dtype = torch.bfloat16,
+                  requantize: str | None = None) -> dict:
+    """Write base + LoRA (+ trained norms) to out_dir as a plain checkpoint in dtype; return the merge report.
+    With requantize (a qerl.quant.compress scheme) the merged model is also quantized into out_dir/requantized."""
+    from peft import PeftModel
+
+    base_dir, adapter_dir, out_dir = Path(base_dir), Path(adapter_dir), Path(out_dir)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise QerlError(f"adapter_dir: {adapter_dir}/adapter_config.json not found (expected a PEFT adapter)")
+    if not (base_dir / "config.json").is_file():
+        raise QerlError(f"base_dir: {base_dir}/config.json not found (expected a HF checkpoint)")
+    _lora_scaling(adapter_dir)  # validate before the heavy work
+    base, quantized = _load_base(base_dir)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    norms = _copy_trained_norms(merged, adapter_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _save_plain(merged, base_dir, adapter_dir, out_dir, dtype)
+    max_diff, max_weight, count = _independent_max_diff(base_dir, adapter_dir, out_dir)
+    report = {"base": str(base_dir), "adapter": str(adapter_dir), "base_quantized": quantized,
+              "dtype": str(dtype).removeprefix("torch."), "merged_layers": count, "trained_norms_copied": len(norms),
+              "max_abs_diff": max_diff, "max_abs_weight": max_weight}
+    if requantize:
+        from qerl.quant.compress import quantize_checkpoint
+
+        target = out_dir / "requantized"
+        shutil.rmtree(target, ignore_errors=True)
+        report["requantize"] = quantize_checkpoint(out_dir, target, requantize)
+        report["requantized_dir"] = str(target)
+    return report
