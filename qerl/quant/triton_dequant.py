@@ -23,6 +23,12 @@ CHUNK_ELEMENTS = 32 * 2**20
 MIN_SPLIT_ELEMENTS = 8 * 2**20  # weights at least this large get 2 chunks, so dequant and matmul overlap
 
 
+# Bandwidth-bound; the best tile differs between GPUs, so it is measured once per column count (autotune).
+_DEQUANT_CONFIGS = [triton.Config({"BR": br, "BC": bc}, num_warps=w)
+                    for br, bc, w in ((32, 256, 4), (64, 256, 8), (16, 512, 4), (128, 128, 8), (64, 512, 8))]
+
+
+@triton.autotune(configs=_DEQUANT_CONFIGS, key=["C"])
 @triton.jit
 def _dequant_kernel(wp_ptr, ws_ptr, gs_ptr, out_ptr, R, C, swn, ssn, so,
                     BR: tl.constexpr, BC: tl.constexpr, USE_ASM: tl.constexpr):
@@ -46,10 +52,9 @@ def dequantize_into(out: torch.Tensor, weight_packed, weight_scale, weight_globa
     """Write deq(W) of the packed block (rows x cols/2 bytes; any row stride) into out (rows, cols)."""
     r, c = out.shape
     scale_u8 = weight_scale.view(torch.uint8)
-    br, bc = 32, 256
-    _dequant_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
+    _dequant_kernel[lambda meta: (triton.cdiv(r, meta["BR"]), triton.cdiv(c, meta["BC"]))](
         weight_packed, scale_u8, weight_global_scale, out, r, c, weight_packed.stride(0), scale_u8.stride(0),
-        out.stride(0), BR=br, BC=bc, USE_ASM=use_asm, num_warps=4)
+        out.stride(0), USE_ASM=use_asm)
     return out
 
 

@@ -262,31 +262,28 @@ DENSE_MIN_ROWS = 128
 
 
 def forward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
-    """Fused-kernel tiles per M bucket (picked by `python -m qerl.bench.kernels --sweep` on an H200): few rows
-    are a bandwidth problem (narrow tiles, split-K to fill every SM); many rows a tensor-core one."""
+    """Fused-kernel tiles per M bucket, from `python -m qerl.bench.kernels --sweep` on an H200: few rows are a
+    bandwidth problem (narrow tiles; split-K to fill every SM, more of it for long reductions)."""
     if M <= 16:
-        bm, bn, bk, warps, stages = 16, 32, 256, 4, 4
+        bm, bn, bk, warps, stages, maxnreg = 16, 32, 256, 4, 4, 128
     elif M <= 64:
-        bm, bn, bk, warps, stages = 32, 64, 128, 4, 4
+        bm, bn, bk, warps, stages, maxnreg = 32, 64, 256, 4, 3, None
     else:
-        bm, bn, bk, warps, stages = 128, 128, 64, 8, 4
+        bm, bn, bk, warps, stages, maxnreg = 64, 64, 128, 4, 4, None
     bk = _k_block(K, bk)
     tiles = math.ceil(M / bm) * math.ceil(N / bn)
-    split = _pick_split(tiles, math.ceil(K / bk), device) if M <= 64 else 1
-    return KernelConfig(bm, bn, bk, split, warps, stages)
+    split = _pick_split(tiles, math.ceil(K / bk), device, waves=6 if K >= 8192 else 2) if M <= 64 else 1
+    return KernelConfig(bm, bn, bk, split, warps, stages, 8, maxnreg)
 
 
 def backward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
     """Same for grad_input: bn is the reduction step over N, bk the output tile along K (must divide K)."""
-    if M <= 16:
-        bm, bn, bk, warps, stages = 16, 128, 64, 4, 4
-    elif M <= 64:
-        bm, bn, bk, warps, stages = 64, 128, 64, 4, 4
-    else:
-        bm, bn, bk, warps, stages = 128, 64, 128, 8, 4
-    bk = next(c for c in (bk, 64, 32, 16) if K % c == 0)
+    bm, bn, bk, warps, stages = (16 if M <= 16 else 64), 128, 64, 4, 4
+    if K % bk:
+        raise QerlError(f"weight_packed: in_features {K} must be a multiple of {bk} for the fused grad_input")
     tiles = math.ceil(M / bm) * (K // bk)
-    split = _pick_split(tiles, math.ceil(N / bn), device) if M <= 64 else 1
+    waves = 6 if N >= 8192 and M <= 16 else 2
+    split = _pick_split(tiles, math.ceil(N / bn), device, waves=waves) if M <= 64 else 1
     return KernelConfig(bm, bn, bk, split, warps, stages)
 
 
@@ -334,10 +331,12 @@ def _check(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, di
     return n, k
 
 
-def _use_dense(path: str, m: int, config) -> bool:
+def _use_dense(path: str, m: int, config, k_ok: bool = True) -> bool:
     if path not in ("auto", "fused", "dense"):
         raise QerlError(f"path: expected 'auto', 'fused' or 'dense', got {path!r}")
-    return path == "dense" or (path == "auto" and config is None and m >= DENSE_MIN_ROWS)
+    if config is not None and config.bk < 64:
+        raise QerlError(f"config.bk: {config.bk} < 64 is not supported (wrong results seen with Triton 3.6)")
+    return path == "dense" or (path == "auto" and config is None and (m >= DENSE_MIN_ROWS or not k_ok))
 
 
 def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=None, *,
@@ -385,7 +384,7 @@ def fp4_matmul_t_triton(g, weight_packed, weight_scale, weight_global_scale, *,
     out = torch.empty(m, k, dtype=g.dtype, device=g.device)
     if m == 0:
         return out.reshape(*lead, k)
-    if _use_dense(path, m, config):
+    if _use_dense(path, m, config, k_ok=k % 64 == 0):
         from qerl.quant.triton_dequant import dense_fp4_matmul_t
 
         return dense_fp4_matmul_t(g2, weight_packed, weight_scale, weight_global_scale, out,
