@@ -14,6 +14,7 @@ from qerl.quant.format import MXFP4_GROUP, NVFP4_GROUP, dequantize, quantize_nvf
 from qerl.quant.kernels import fp4_matmul, fp4_matmul_t
 
 FORMATS = ("nvfp4", "mxfp4")
+_FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
 class FP4LinearFunction(torch.autograd.Function):
@@ -57,6 +58,20 @@ class FP4Linear(nn.Module):
         self.register_buffer("weight_global_scale", gs)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device),
                                   requires_grad=False) if bias else None)
+
+    def _apply(self, fn, recurse=True):
+        """Module.to(dtype)/.half()/.bfloat16() would cast the FP8 scales and FP32 global scale (floating dtypes)
+        and corrupt the format: the quantization buffers only ever change device; compute_dtype follows the
+        cast like any float parameter would."""
+        frozen = {k: self._buffers[k] for k in _FORMAT_BUFFERS if self._buffers.get(k) is not None}
+        for k in frozen:
+            self._buffers[k] = None
+        super()._apply(fn, recurse)
+        for k, t in frozen.items():
+            moved = fn(t)
+            self._buffers[k] = moved if moved.dtype == t.dtype else t.to(moved.device)
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype, device=self.weight_packed.device)).dtype
+        return self
 
     @property
     def qweight(self) -> torch.Tensor:

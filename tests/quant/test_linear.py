@@ -96,3 +96,16 @@ def test_mxfp4_layer_forward():
     torch.testing.assert_close(layer(x), x.detach() @ dense.T)
     layer(x).sum().backward()
     torch.testing.assert_close(x.grad, dense.sum(0).expand(3, 64))
+
+
+def test_module_dtype_casts_keep_the_format():
+    layer = _layer()
+    packed, scale, gs = (layer.weight_packed.clone(), layer.weight_scale.clone(), layer.weight_global_scale.clone())
+    model = torch.nn.Sequential(layer).to(torch.bfloat16)
+    assert layer.compute_dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
+    assert layer.weight_scale.dtype == torch.float8_e4m3fn and layer.weight_global_scale.dtype == torch.float32
+    assert torch.equal(layer.weight_packed, packed) and torch.equal(layer.weight_global_scale, gs)
+    assert torch.equal(layer.weight_scale.view(torch.uint8), scale.view(torch.uint8))
+    model.float()
+    assert layer.compute_dtype == torch.float32 and layer.weight_scale.dtype == torch.float8_e4m3fn
+    assert layer.dequantize_weight().dtype == torch.float32
