@@ -74,9 +74,9 @@ def job_states(ids: list[str]) -> dict[str, str]:
     if acct.returncode == 0:
         states.update(line.split("|")[:2] for line in acct.stdout.splitlines() if "|" in line)
     comp = _jobcomp_path()
-    if comp is not None and comp.is_file():
-        for m in re.finditer(r"JobId=(\d+) .*?JobState=(\S+)", comp.read_text()):
-            states.setdefault(m.group(1), m.group(2))
+    if comp is not None and comp.is_file():  # one line per finished job; the last one wins if ids restarted
+        completed = dict(re.findall(r"^JobId=(\d+) .*?JobState=(\S+)", comp.read_text(), re.M))
+        states.update({i: state for i, state in completed.items() if i not in states})
     missing = [i for i in ids if i not in states]
     if missing:
         queue = subprocess.run(["squeue", "-h", "--states=all", "-o", "%i|%T", "-j", ",".join(missing)],
