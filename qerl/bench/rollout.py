@@ -77,6 +77,8 @@ def _time_torch(model, tok, prompts, args) -> tuple[float, int]:
 
 def _time_hf(model, tok, prompts, args) -> tuple[float, int]:
     tok.padding_side = "left"
+    if tok.pad_token is None:  # e.g. SmolLM2: any id works, the padded positions are masked
+        tok.pad_token = tok.eos_token
     enc = tok.pad({"input_ids": prompts}, return_tensors="pt").to(model.device)
     torch.manual_seed(args.seed)
     _sync()
@@ -84,8 +86,7 @@ def _time_hf(model, tok, prompts, args) -> tuple[float, int]:
     with torch.inference_mode():
         out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                              num_return_sequences=args.n, max_new_tokens=args.new_tokens,
-                             min_new_tokens=args.new_tokens,
-                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+                             min_new_tokens=args.new_tokens, pad_token_id=tok.pad_token_id)
     _sync()
     return time.perf_counter() - start, (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
 
@@ -96,18 +97,24 @@ def _sync():
 
 
 def _measure(model, tok, prompts, args) -> list[dict]:
-    """Warm up each engine on a short run, then keep the best of --repeats timed runs."""
+    """Warm up each engine, then keep the best of --repeats timed runs.
+
+    On CUDA the warm-up is the full run (it compiles and captures the decode graph; its time is
+    reported as first_seconds); on CPU a 4-token run is enough to fault in weights and allocators.
+    """
     timers = {"torch": _time_torch, "hf": _time_hf}
     rows = []
     for name in args.engines.split(","):
         if name not in timers:
             raise QerlError(f"--engines: expected a comma list of torch, hf; got {name!r}")
-        warm = argparse.Namespace(**{**vars(args), "new_tokens": 4})
-        timers[name](model, tok, prompts[:1], warm)
+        if model.device.type == "cuda":
+            first, _ = timers[name](model, tok, prompts, args)
+        else:
+            first, _ = timers[name](model, tok, prompts[:1], argparse.Namespace(**{**vars(args), "new_tokens": 4}))
         runs = [timers[name](model, tok, prompts, args) for _ in range(args.repeats)]
         seconds, tokens = min(runs)
         rows.append({"engine": name, "seconds": round(seconds, 3), "tokens": tokens,
-                     "tokens_per_s": round(tokens / seconds, 1)})
+                     "tokens_per_s": round(tokens / seconds, 1), "first_seconds": round(first, 3)})
     return rows
 
 

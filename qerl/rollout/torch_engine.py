@@ -19,6 +19,8 @@ from qerl.errors import QerlError
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
 from qerl.rollout.sampling import StopChecker, row_uniforms, sample_tokens
 
+_STATIC_BUCKET = 128  # static KV length is rounded up to this, bounding CUDA-graph recompilations
+
 
 class TorchEngine(RolloutEngine):
     """Batched sampling with the model object given (HF causal LM, peft-wrapped or not).
@@ -76,10 +78,13 @@ class TorchEngine(RolloutEngine):
         """Prefill the group once, repeat each prompt's cache n times, decode all rows together."""
         ids, mask, pos = _left_pad(prompts, self.pad_id, self.device)
         num_rows, prompt_len, max_new = len(prompts) * n, ids.shape[1], sampling.max_tokens
-        logits, cache = self._prefill(ids, mask, pos, n, prompt_len + max_new)
+        # Static caches get a bucketed length so CUDA graphs are reused across calls with other prompt widths
+        cache_len = prompt_len + max_new
+        cache_len = -(-cache_len // _STATIC_BUCKET) * _STATIC_BUCKET if self.use_cuda_graph else cache_len
+        logits, cache = self._prefill(ids, mask, pos, n, cache_len)
         # One attention-mask buffer for the whole call: prompt part repeated per sample, then a column
         # switched on per decoded token. Dynamic caches see a growing view, static ones the full width.
-        full_mask = torch.zeros(num_rows, prompt_len + max_new, dtype=mask.dtype, device=self.device)
+        full_mask = torch.zeros(num_rows, cache_len, dtype=mask.dtype, device=self.device)
         full_mask[:, :prompt_len] = mask.repeat_interleave(n, dim=0)
         pos = pos[:, -1:].repeat_interleave(n, dim=0)
         uniforms = None if sampling.greedy else row_uniforms(
@@ -91,25 +96,22 @@ class TorchEngine(RolloutEngine):
         state = _DecodeState(rows=torch.arange(num_rows, device=self.device), logits=logits,
                              cache=cache, mask=full_mask, pos=pos)
         stop_check = StopChecker(self.tokenizer, sampling.stop, self.eos_ids, self.device)
+        finished = 0
         for step in range(max_new):
             u = None if uniforms is None else uniforms[state.rows, step]
             tok, lp = sample_tokens(state.logits, sampling, u)
-            if state.done is not None:  # static cache: finished rows stay in the batch, padded
-                tok = tok.masked_fill(state.done, self.pad_id)
+            tok = tok.masked_fill(state.done, self.pad_id)  # only static caches keep finished rows
             tokens[state.rows, step], logprobs[state.rows, step] = tok, lp
-            done = stop_check(tok, tokens, state.rows, step)
-            if state.done is not None:
-                done &= ~state.done
-            lengths[state.rows[done]] = step + 1
-            stopped[state.rows[done]] = True
-            if step == max_new - 1 or self._all_done(state, done):
+            done = stop_check(tok, tokens, state.rows, step) & ~state.done
+            # no boolean indexing here: it would sync with the GPU; the count below is the one sync per step
+            lengths[state.rows] = torch.where(done, step + 1, lengths[state.rows])
+            stopped[state.rows] = stopped[state.rows] | done
+            newly = int(done.sum())
+            finished += newly
+            if finished == num_rows or step == max_new - 1:
                 break
-            self._decode_step(state, tok, done, prompt_len + step)
+            self._decode_step(state, tok, done, newly, prompt_len + step)
         return _to_rows(tokens, logprobs, lengths, stopped)
-
-    def _all_done(self, state, done: torch.Tensor) -> bool:
-        state.done = done if state.done is None else (state.done | done)
-        return bool(state.done.all())
 
     def _prefill(self, ids, mask, pos, n, max_len):
         """Run each prompt once; return next-token logits and a cache holding every row's prompt."""
@@ -124,15 +126,15 @@ class TorchEngine(RolloutEngine):
             return logits, dynamic
         return logits, _static_from_dynamic(self.model.config, dynamic, n, max_len)
 
-    def _decode_step(self, state, tok, done, cache_len: int):
+    def _decode_step(self, state, tok, done, newly: int, cache_len: int):
         """Feed the sampled tokens; rows that finished are dropped (dynamic) or fed padding (static)."""
-        if self.cache_kind == "dynamic" and bool(done.any()):
-            keep = (~state.done).nonzero().squeeze(1)
+        if self.cache_kind == "static":
+            state.done = state.done | done
+        elif newly:
+            keep = (~done).nonzero().squeeze(1)
             state.cache.batch_select_indices(keep)
-            state.rows, state.mask, state.pos = state.rows[keep], state.mask[keep], state.pos[keep]
-            tok, state.done = tok[keep], state.done[keep]
-        elif self.cache_kind == "static":
-            tok = tok.masked_fill(state.done, self.pad_id)
+            state.rows, state.mask, state.pos, tok = state.rows[keep], state.mask[keep], state.pos[keep], tok[keep]
+            state.done = state.done[keep]
         state.mask[:, cache_len] = 1
         state.pos = state.pos + 1
         mask = state.mask if self.cache_kind == "static" else state.mask[:, :cache_len + 1]
@@ -152,7 +154,7 @@ class _DecodeState:
 
     def __init__(self, rows, logits, cache, mask, pos):
         self.rows, self.logits, self.cache, self.mask, self.pos = rows, logits, cache, mask, pos
-        self.done = None
+        self.done = torch.zeros_like(rows, dtype=torch.bool)  # stays all False for dynamic caches
 
 
 def _decode_forward(model, tok, mask, pos, cache):
