@@ -72,6 +72,7 @@ def test_cuda_load_never_holds_dense_weights_and_lora_step(tmp_path):
     base = torch.cuda.memory_allocated()
     model = load_quantized_model(path, dtype=torch.bfloat16, device="cuda")
     peak = torch.cuda.max_memory_allocated() - base
+    print(f"cuda load peak {peak} bytes vs dense bf16 linears {2 * linear_weights}")
     assert peak < 0.35 * 2 * linear_weights, (peak, 2 * linear_weights)  # packed+scales ~0.28 of bf16
 
     cpu = load_quantized_model(path, dtype=torch.float32)
@@ -83,7 +84,7 @@ def test_cuda_load_never_holds_dense_weights_and_lora_step(tmp_path):
 
     peft_model = get_peft_model(model, fp4_lora_config(r=8, lora_alpha=16, target_modules=["q_proj", "down_proj"]))
     before = {n: t.clone() for n, t in peft_model.state_dict().items()}
-    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-3)
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
     peft_model(ids.cuda()).logits.float().logsumexp(-1).mean().backward()
     opt.step()
     changed = {n for n, t in peft_model.state_dict().items() if not torch.equal(t, before[n])}
