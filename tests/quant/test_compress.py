@@ -7,7 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qerl.errors import QerlError
+pytest.importorskip("llmcompressor")  # absent on the bare GPU image
+
+from qerl.errors import QerlError  # noqa: E402
 from qerl.quant.compress import quantize_checkpoint
 from qerl.quant.format import dequantize
 from qerl.quant.linear import FP4Linear

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+pytest.importorskip("compressed_tensors")  # the reference under test; absent on the bare GPU image
+
 from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
 from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
 from compressed_tensors.quantization import QuantizationScheme
