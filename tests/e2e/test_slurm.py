@@ -176,7 +176,12 @@ def test_failed_and_killed_jobs_are_retried_and_the_workflow_completes(tmp_path)
     with (tmp_path / "snakemake.log").open("w") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True)
         try:
-            victim = wait_until(lambda: _running_job_of(tmp_path, "killed"), 120, "the first `killed` job")
+            def first_killed_job():
+                if proc.poll() is not None:
+                    pytest.fail(f"snakemake exited early:\n{(tmp_path / 'snakemake.log').read_text()[-4000:]}")
+                return _running_job_of(tmp_path, "killed")
+
+            victim = wait_until(first_killed_job, 120, "the first `killed` job to run")
             subprocess.run(["scancel", victim], check=True, timeout=20)
             rc = proc.wait(timeout=170 - (time.time() - t0))
         finally:
