@@ -125,9 +125,18 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logits_to_k
     batch, keep = input_ids.shape[0], logits_to_keep
     # position t predicts token t+1: the states before the last `keep` tokens score them
     hidden = hidden[:, -keep - 1:-1, :].reshape(batch * keep, -1)
-    targets = input_ids[:, -keep:].reshape(-1)
+    lp, ent = chunked_head_logprobs(head, hidden, input_ids[:, -keep:].reshape(-1), temperature, chunk_size)
+    return lp.view(batch, keep), ent.view(batch, keep)
+
+
+def chunked_head_logprobs(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float,
+                          chunk_size: int) -> tuple[Tensor, Tensor]:
+    """lm_head + log_softmax over (N, H) states, `chunk_size` rows at a time, each chunk checkpointed.
+
+    Returns (log p(target) (N,) with grad, entropy (N,) detached).
+    """
     logps, ents = [], []
-    for start in range(0, batch * keep, chunk_size):
+    for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
         if torch.is_grad_enabled() and h.requires_grad:
             lp, en = checkpoint(_chunk_logprobs, head, h, t, temperature, use_reentrant=False)
@@ -135,7 +144,7 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logits_to_k
             lp, en = _chunk_logprobs(head, h, t, temperature)
         logps.append(lp)
         ents.append(en.detach())
-    return torch.cat(logps).view(batch, keep), torch.cat(ents).view(batch, keep)
+    return torch.cat(logps), torch.cat(ents)
 
 
 # ------------------------------------------------------------------------------------------------- loss

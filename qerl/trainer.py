@@ -21,6 +21,7 @@ from qerl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from qerl.config import TrainConfig
 from qerl.errors import QerlError
 from qerl.grpo import group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
+from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
 
 log = logging.getLogger("qerl.train")
@@ -126,6 +127,7 @@ class GRPOTrainer:
             "completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
             "completions/clipped_ratio": sum(r == "length" for r in out.finish_reasons) / len(texts),
             "aqn/sigma": sigma, "aqn/stage": stage, "aqn/applied_rms": noise.applied_rms,
+            "aqn/changed_fraction": noise.changed_fraction,
             "timing/rollout": t_rollout, "rollout_tokens": float(lengths.sum()),
         })
         batch.metrics = metrics
@@ -164,10 +166,23 @@ class GRPOTrainer:
         return Batch(ids.to(dev), attn.to(dev), cmask.to(dev), rlp.to(dev), advantages.to(dev))
 
     # ---- update ----
+    @property
+    def share_prefix(self) -> bool:
+        """Prompt computed once per group (qerl.prefix) unless gradient checkpointing disables the KV cache."""
+        return not self.cfg.gradient_checkpointing and self.cfg.micro_batch_size % self.cfg.num_generations == 0
+
     def logprobs(self, batch: Batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        temperature = max(self.cfg.rollout.temperature, 1e-6)
+        plen = batch.input_ids.shape[1] - batch.completion_len
+        if self.share_prefix:
+            g = self.cfg.num_generations
+            groups = slice(rows.start // g, rows.stop // g)
+            return grouped_token_logprobs(
+                self.model, batch.input_ids[::g][groups, :plen], batch.attention_mask[::g][groups, :plen],
+                batch.input_ids[rows, plen:], batch.attention_mask[rows, plen:], g,
+                temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)
         return token_logprobs(self.model, batch.input_ids[rows], batch.attention_mask[rows], batch.completion_len,
-                              temperature=max(self.cfg.rollout.temperature, 1e-6),
-                              chunk_size=self.cfg.logprob_chunk_size)
+                              temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch, rows: slice) -> torch.Tensor | None:
