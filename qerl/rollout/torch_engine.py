@@ -10,7 +10,9 @@ fixed so the decode step can be captured in a CUDA graph via torch.compile(mode=
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import warnings
 
 import torch
 from transformers import DynamicCache, StaticCache
@@ -50,7 +52,8 @@ class TorchEngine(RolloutEngine):
         self.eos_ids = sorted(_eos_ids(model, tokenizer) if eos_token_ids is None else set(eos_token_ids))
         self.pad_id = _pad_id(model, tokenizer, self.eos_ids)
         self.stats = {"prefill_calls": 0, "prefill_rows": 0, "decode_calls": 0}
-        self._decode_fn = None
+        self._decode_fn, self._graph_calls = None, collections.Counter()
+        self._static = None  # (key, StaticCache) of the last call, reused while shapes match
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompt_ids, n: int = 1, sampling: SamplingParams | None = None) -> RolloutOutput:
@@ -69,7 +72,7 @@ class TorchEngine(RolloutEngine):
             finish_reasons=[r[2] for r in rows], stats=dict(self.stats))
 
     def close(self) -> None:
-        self._decode_fn = None
+        self._decode_fn, self._graph_calls, self._static = None, collections.Counter(), None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -124,7 +127,11 @@ class TorchEngine(RolloutEngine):
         if self.cache_kind == "dynamic":
             dynamic.batch_repeat_interleave(n)
             return logits, dynamic
-        return logits, _static_from_dynamic(self.model.config, dynamic, n, max_len)
+        # Reuse the last static cache when shapes match: CUDA graphs are recorded against its addresses
+        key = (ids.shape[0] * n, max_len)
+        if self._static is None or self._static[0] != key:
+            self._static = (key, StaticCache(config=self.model.config, max_cache_len=max_len))
+        return logits, _static_from_dynamic(self._static[1], dynamic, n)
 
     def _decode_step(self, state, tok, done, newly: int, cache_len: int):
         """Feed the sampled tokens; rows that finished are dropped (dynamic) or fed padding (static)."""
@@ -143,10 +150,32 @@ class TorchEngine(RolloutEngine):
 
     def _forward_decode(self, tok, mask, pos, cache):
         if self.use_cuda_graph:
-            if self._decode_fn is None:
-                self._decode_fn = torch.compile(_decode_forward, mode="reduce-overhead", dynamic=False)
-            return self._decode_fn(self.model, tok, mask, pos, cache).clone()
+            return self._forward_graphed(tok, mask, pos, cache)
         return _decode_forward(self.model, tok, mask, pos, cache)
+
+    def _forward_graphed(self, tok, mask, pos, cache):
+        """The decode step through torch.compile(mode="reduce-overhead"), i.e. replayed as a CUDA graph.
+
+        If compiling fails (a module dynamo cannot trace), rollouts go on eagerly: the cache write
+        counters are put back first so the eager step lands in the same slot.
+        """
+        if self._decode_fn is None:
+            self._decode_fn = torch.compile(_decode_forward, mode="reduce-overhead", dynamic=False)
+        # the graph's output buffer is reused by the next replay: keep a copy
+        if self._graph_calls[mask.shape] >= 3:  # compiled, warmed up and captured: no failure expected
+            return self._decode_fn(self.model, tok, mask, pos, cache).clone()
+        counters = [layer.cumulative_length.clone() for layer in cache.layers]
+        try:
+            logits = self._decode_fn(self.model, tok, mask, pos, cache).clone()
+            self._graph_calls[mask.shape] += 1
+            return logits
+        except Exception as exc:  # noqa: BLE001 - any compile/capture failure falls back to eager
+            warnings.warn(f"TorchEngine: CUDA-graph decode failed ({type(exc).__name__}: {exc}); "
+                          "decoding eagerly from now on", RuntimeWarning, stacklevel=2)
+            self.use_cuda_graph, self._decode_fn = False, None
+            for layer, count in zip(cache.layers, counters):
+                layer.cumulative_length.copy_(count)
+            return _decode_forward(self.model, tok, mask, pos, cache)
 
 
 class _DecodeState:
@@ -174,12 +203,14 @@ def _left_pad(prompts, pad_id: int, device):
     return ids.to(device), mask.to(device), pos.to(device)
 
 
-def _static_from_dynamic(config, dynamic: DynamicCache, n: int, max_len: int) -> StaticCache:
+def _static_from_dynamic(static: StaticCache, dynamic: DynamicCache, n: int) -> StaticCache:
     """Copy the prefilled prompts (repeated n times) into a preallocated cache for static-shape decoding."""
-    static = StaticCache(config=config, max_cache_len=max_len)
     for src, dst in zip(dynamic.layers, static.layers):
         keys, values = src.keys.repeat_interleave(n, dim=0), src.values.repeat_interleave(n, dim=0)
-        dst.lazy_initialization(keys, values)
+        if dst.is_initialized:
+            dst.reset()
+        else:
+            dst.lazy_initialization(keys, values)
         dst.update(keys, values)
     return static
 

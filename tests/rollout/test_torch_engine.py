@@ -233,3 +233,36 @@ def test_cuda_graph_decode_matches_generate(tmp_path, tokenizer_dir, prompts):
     diffs = [(torch.tensor(out.logprobs[r], dtype=torch.float64) - full_forward_logprobs(model, p, c, 1.0)).abs()
              for r, (p, c) in enumerate(zip(out.prompt_ids, out.completion_ids))]
     assert torch.cat(diffs).mean() < 1e-3
+
+
+@pytest.mark.gpu
+def test_cuda_graph_runs_fp4_lora_model(tmp_path, tokenizer_dir, prompts):
+    """The trainer's modules (FP4Linear base + LoRA) decode through the CUDA graph with eager's tokens."""
+    import warnings
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qerl.quant.linear import FP4Linear
+    from qerl.quant.lora import fp4_lora_config
+    from qerl.resources import build_tiny_model
+
+    build_tiny_model(tmp_path, tokenizer_dir, seed=0, initializer_range=0.2)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if name in targets:
+                    setattr(parent, name, FP4Linear.from_linear(child))
+    torch.manual_seed(0)
+    model = get_peft_model(model.cuda(), fp4_lora_config(r=8, target_modules=targets, init_lora_weights=False))
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    eager = TorchEngine(model, tok, cache="dynamic", eos_token_ids=()).generate(prompts, 2, greedy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager would warn
+        engine = TorchEngine(model, tok, eos_token_ids=())
+        graphed = [engine.generate(prompts, 2, greedy) for _ in range(2)]
+    assert engine.use_cuda_graph
+    assert graphed[0].completion_ids == eager.completion_ids == graphed[1].completion_ids
