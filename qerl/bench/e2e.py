@@ -1,0 +1,164 @@
+"""End-to-end GPU benchmark: rollout tokens/s, one GRPO step and peak training memory, FP4 vs bf16 LoRA.
+
+    python -m qerl.bench.e2e --out-dir results/bench          # on a CUDA machine, PYTHONPATH=. is enough
+
+Random weights of the real Qwen2.5 shapes (qerl.bench.random_models; FP4 models never hold a bf16 copy):
+  (b) TorchEngine rollout, 7B, batches 8 and 64, 256 prompt + 1024 new tokens, FP4 vs bf16 (+ HF generate);
+  (c) one GRPO step (8 prompts x G = 8) through qerl.trainer.GRPOTrainer with gradient checkpointing;
+  (d) peak allocated memory of one GRPO update (micro-batch 8 x (256 + 2048) tokens), 7B/14B/32B FP4, 7B bf16.
+Every model runs in its own subprocess (own allocator peak, a crash or timeout loses only that part). The copy
+bandwidth and bf16 matmul rate are measured first and give each figure's floor. Writes e2e.json atomically
+under --out-dir and prints a Markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from qerl.bench.e2e_workers import memory_worker, speed_worker
+from qerl.bench.e2e_report import add_floors, markdown
+from qerl.bench.kernels import write_json
+from qerl.errors import QerlError
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out-dir", default="results/bench")
+    p.add_argument("--parts-dir", default=None, help="per-worker JSON (default: <out-dir>/e2e_parts)")
+    p.add_argument("--tokenizer", default="../shared/tokenizers/qwen2.5", help="the real Qwen2.5 tokenizer dir")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--speed-size", default="7B")
+    p.add_argument("--speed-modes", default="fp4,bf16")
+    p.add_argument("--memory", default="7B:fp4,14B:fp4,32B:fp4,7B:bf16", help="size:mode list for (d)")
+    p.add_argument("--batches", type=_ints, default=[8, 64], help="rollout rows for (b)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per GRPO step")
+    p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per row in (b)")
+    p.add_argument("--step-completion", type=int, default=1024, help="completion tokens of the (c) step")
+    p.add_argument("--memory-completion", type=int, default=2048, help="completion tokens in (d)")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--lora-r", type=int, default=32)
+    p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate baseline (0: skip)")
+    p.add_argument("--memory-jobs", type=int, default=1, help="memory workers run at once (peaks are per process)")
+    p.add_argument("--timeout-s", type=float, default=300, help="per worker subprocess")
+    p.add_argument("--in-process", action="store_true", help="run workers in this process (CPU smoke tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worker", choices=["speed", "memory"], help=argparse.SUPPRESS)
+    p.add_argument("--worker-spec", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _worker_argv(args, kind: str, spec: str, out: Path) -> list[str]:
+    """This process's options, forwarded to a worker subprocess."""
+    keep = {k: v for k, v in vars(args).items() if k not in ("worker", "worker_spec", "worker_out", "in_process")}
+    argv = [sys.executable, "-m", "qerl.bench.e2e"]
+    for key, value in keep.items():
+        if value is None:
+            continue
+        value = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        argv += [f"--{key.replace('_', '-')}", value]
+    return argv + ["--worker", kind, "--worker-spec", spec, "--worker-out", str(out)]
+
+
+def _run_in_process(args, kind: str, spec: str, on_part=None) -> dict:
+    size, mode = spec.split(":")
+    start = time.perf_counter()
+    result = speed_worker(args, mode, size, on_part) if kind == "speed" else memory_worker(args, mode, size)
+    result["wall_seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def _start(args, kind: str, spec: str, parts: Path):
+    out = parts / f"{kind}_{spec.replace(':', '_')}.json"
+    out.unlink(missing_ok=True)
+    print(f"[e2e] start {kind} {spec}", flush=True)
+    return kind, spec, out, time.perf_counter(), subprocess.Popen(_worker_argv(args, kind, spec, out))
+
+
+def _finish(job, timeout: float) -> dict:
+    kind, spec, out, start, proc = job
+    try:
+        proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    wall = round(time.perf_counter() - start, 1)
+    print(f"[e2e] done {kind} {spec}: rc {proc.returncode}, {wall} s", flush=True)
+    if out.exists():
+        return json.loads(out.read_text())
+    size, mode = spec.split(":")
+    return {"mode": mode, "size": size, "errors": {"worker": f"exit code {proc.returncode} after {wall} s "
+                                                             f"(timeout {timeout} s), no result"}}
+
+
+def _run_workers(args, kind: str, specs: list[str], jobs: int, parts: Path) -> list[dict]:
+    """Run workers `jobs` at a time (subprocesses), or all in this process with --in-process."""
+    if args.in_process:
+        return [_run_in_process(args, kind, spec) for spec in specs]
+    results, pending, running = [], list(specs), []
+    while pending or running:
+        while pending and len(running) < jobs:
+            running.append(_start(args, kind, pending.pop(0), parts))
+        results.append(_finish(running.pop(0), args.timeout_s))
+    return results
+
+
+def _environment(device: str) -> dict:
+    env = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
+           "python": platform.python_version()}
+    if device == "cuda":
+        from qerl.bench.kernels import measure_ceilings
+
+        props = torch.cuda.get_device_properties(0)
+        env.update(device=torch.cuda.get_device_name(), gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   ceilings=measure_ceilings())
+        torch.cuda.empty_cache()
+    else:
+        env.update(device=f"cpu x{torch.get_num_threads()} threads", ceilings=None)
+    return env
+
+
+def _worker_main(args) -> int:
+    out = Path(args.worker_out)
+    result = _run_in_process(args, args.worker, args.worker_spec, on_part=lambda part: write_json(out, part))
+    write_json(out, result)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.worker:
+        return _worker_main(args)
+    if not Path(args.tokenizer, "tokenizer_config.json").exists():
+        raise QerlError(f"--tokenizer: expected a tokenizer directory, got {args.tokenizer}")
+    device = "cuda" if (args.device == "auto" and torch.cuda.is_available()) else (
+        "cpu" if args.device == "auto" else args.device)
+    out_dir = Path(args.out_dir)
+    parts = Path(args.parts_dir) if args.parts_dir else out_dir / "e2e_parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    payload = {**_environment(device), "config": {k: v for k, v in vars(args).items() if not k.startswith("worker")}}
+    payload["memory"] = _run_workers(args, "memory", [s for s in args.memory.split(",") if s], args.memory_jobs,
+                                     parts)
+    speed_specs = [f"{args.speed_size}:{m}" for m in args.speed_modes.split(",") if m]
+    payload["speed"] = _run_workers(args, "speed", speed_specs, 1, parts)
+    add_floors(payload)
+    write_json(out_dir / "e2e.json", payload)
+    print(markdown(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""The two measurements of `qerl.bench.e2e`, each meant to run in its own process (clean allocator, own peak).
+
+speed_worker: one random Qwen2.5 model (FP4 + LoRA or bf16 + LoRA, gradient checkpointing on), then
+  (b) TorchEngine rollout tokens/s at each batch, (c) one GRPO step through qerl.trainer.GRPOTrainer
+  (rollout + rewards + log-probs + policy_loss + backward + AdamW), and transformers' generate as a baseline.
+memory_worker: (d) peak allocated memory of one GRPO update (forward + backward with gradient checkpointing +
+  AdamW step) on one micro-batch, the model's own memory included.
+Both return plain dicts (JSON-ready); timings are host clocks around synchronized GPU work (whole rollouts and
+steps, seconds long, so event timing adds nothing).
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+
+import torch
+
+from qerl.bench.random_models import attach_lora, build_random_model, decode_weight_bytes, qwen25_config
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device_and_dtype(device: str) -> tuple[str, torch.dtype]:
+    """auto -> cuda + bfloat16 when a GPU is present, cpu + float32 otherwise (CPU smoke runs)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def random_prompts(tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of exactly `length` ordinary (non-special) token ids, deterministic per seed."""
+    gen = torch.Generator().manual_seed(seed)
+    special = set(tokenizer.all_special_ids)
+    ids = [t for t in torch.randint(0, 30000, (count * length * 2,), generator=gen).tolist() if t not in special]
+    return [ids[i * length:(i + 1) * length] for i in range(count)]
+
+
+def _random_reward(completions, answers=None, **kwargs) -> list[float]:
+    """Rewards that differ inside every group (so advantages and the loss are non-zero), fixed per call size."""
+    return torch.rand(len(completions), generator=torch.Generator().manual_seed(len(completions))).tolist()
+
+
+def _build(args, fp4: bool, size: str):
+    from transformers import AutoTokenizer
+
+    device, dtype = device_and_dtype(args.device)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    model = build_random_model(qwen25_config(size), fp4=fp4, device=device, dtype=dtype, seed=args.seed)
+    model = attach_lora(model, r=args.lora_r, alpha=2 * args.lora_r, fp4=fp4, gradient_checkpointing=True)
+    return model, tokenizer, device
+
+
+def make_trainer(model, tokenizer, prompts, *, fp4: bool, num_generations: int, completion_len: int,
+                 micro_batch_size: int, lora_r: int, seed: int):
+    """The project's GRPOTrainer on synthetic prompts and a random reward (no AQN: sigma would be 0 at step 0)."""
+    from qerl.config import TrainConfig
+    from qerl.trainer import GRPOTrainer
+
+    cfg = TrainConfig(mode="qlora_fp4" if fp4 else "lora", data={"source": "bench"}, rewards=["random"],
+                      num_generations=num_generations, batch_size=len(prompts), micro_batch_size=micro_batch_size,
+                      max_steps=4, max_completion_length=completion_len, gradient_checkpointing=True, aqn=None,
+                      lora={"lora_r": lora_r, "lora_alpha": 2 * lora_r}, seed=seed)
+    return GRPOTrainer(cfg, model, tokenizer, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
+                       checkpoint_dir=tempfile.mkdtemp(prefix="qerl-bench-"))
+
+
+def _timed_generate(engine, prompts, n: int, new_tokens: int, seed: int) -> dict:
+    from qerl.rollout import SamplingParams
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=seed)
+    _sync()
+    start = time.perf_counter()
+    out = engine.generate(prompts, n=n, sampling=sampling)
+    _sync()
+    seconds = time.perf_counter() - start
+    return {"rows": len(out.completion_ids), "seconds": seconds, "tokens": out.num_tokens,
+            "tokens_per_s": out.num_tokens / seconds, "decode_calls": out.stats.get("decode_calls")}
+
+
+def _rollout_rows(engine, prompts, batch: int, new_tokens: int, seed: int) -> dict:
+    """One batch size: a warm-up run (compiles and captures the decode graph), then the timed run."""
+    n = max(1, batch // len(prompts))
+    chosen = prompts[:max(1, batch // n)]
+    warm = _timed_generate(engine, chosen, n, new_tokens, seed)
+    row = _timed_generate(engine, chosen, n, new_tokens, seed + 1)
+    return {"batch": row["rows"], "new_tokens": new_tokens, "first_seconds": round(warm["seconds"], 3), **row}
+
+
+def _grpo_step(trainer) -> dict:
+    """Warm the update kernels on one micro-batch, then time a full step (rollout + update) of fresh data."""
+    from qerl.trainer import Batch
+
+    batch = trainer.rollout(0)
+    mb = trainer.cfg.micro_batch_size
+    warm = Batch(batch.input_ids[:mb], batch.attention_mask[:mb], batch.completion_mask[:mb],
+                 batch.rollout_logprobs[:mb], batch.advantages[:mb])
+    trainer.update(warm, 0)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    _sync()
+    start = time.perf_counter()
+    batch = trainer.rollout(1)
+    metrics = trainer.update(batch, 1)
+    _sync()
+    step = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return {"rows": batch.input_ids.shape[0], "prompt_len": batch.input_ids.shape[1] - batch.completion_len,
+            "completion_len": batch.completion_len, "micro_batch_size": mb,
+            "rollout_seconds": batch.metrics["timing/rollout"], "rollout_tokens": batch.metrics["rollout_tokens"],
+            "update_seconds": metrics["timing/update"], "step_seconds": step, "peak_bytes": peak,
+            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+
+
+def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> dict:
+    """transformers' generate (sampling, dynamic cache, eager) on the same model: the baseline to beat."""
+    ids = torch.tensor(prompts, device=next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            _sync()
+            start = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                 temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, pad_token_id=pad_id)
+            _sync()
+    finally:
+        model.train(was_training)
+    seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"batch": ids.shape[0], "new_tokens": new_tokens, "seconds": seconds, "tokens": tokens,
+            "tokens_per_s": tokens / seconds}
+
+
+def speed_worker(args, mode: str, size: str, on_part=None) -> dict:
+    """(b) rollout rows, (c) one GRPO step and the HF baseline for one model; each part fails on its own and
+    on_part(result) is called after each, so a worker killed at its time limit still leaves what it measured."""
+    on_part = on_part or (lambda result: None)
+    fp4 = mode == "fp4"
+    model, tokenizer, device = _build(args, fp4, size)
+    prompts = random_prompts(tokenizer, args.prompts, args.prompt_len, args.seed)
+    trainer = make_trainer(model, tokenizer, prompts, fp4=fp4, num_generations=args.group,
+                           completion_len=args.step_completion, micro_batch_size=args.micro_batch,
+                           lora_r=args.lora_r, seed=args.seed)
+    result = {"mode": mode, "size": size, "device": device, "decode_weight_bytes": decode_weight_bytes(model),
+              "rollout": [], "errors": {}}
+    for batch in args.batches:
+        _guard(result, f"rollout_b{batch}", lambda b=batch: result["rollout"].append(
+            _rollout_rows(trainer.engine, prompts, b, args.new_tokens, args.seed)))
+        on_part(result)
+    _guard(result, "grpo_step", lambda: result.__setitem__("grpo_step", _grpo_step(trainer)))
+    on_part(result)
+    trainer.engine.close()
+    if args.hf_tokens:
+        _guard(result, "hf_generate", lambda: result.__setitem__(
+            "hf_generate", _hf_generate(model, prompts[:args.batches[0]], args.hf_tokens, tokenizer.pad_token_id)))
+    return result
+
+
+def memory_worker(args, mode: str, size: str) -> dict:
+    """(d) peak allocated bytes of one GRPO update on one micro-batch of prompt + completion tokens."""
+    from qerl.trainer import Batch
+
+    fp4 = mode == "fp4"
+    model, tokenizer, device = _build(args, fp4, size)
+    rows, plen, clen = args.micro_batch, args.prompt_len, args.memory_completion
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = random_prompts(tokenizer, rows, plen, args.seed)
+    trainer = make_trainer(model, tokenizer, prompts[:1], fp4=fp4, num_generations=rows, completion_len=clen,
+                           micro_batch_size=rows, lora_r=args.lora_r, seed=args.seed)
+    ids = torch.randint(0, 30000, (rows, plen + clen), generator=gen)
+    batch = Batch(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
+                  completion_mask=torch.ones(rows, clen, device=device),
+                  rollout_logprobs=torch.zeros(rows, clen, device=device),
+                  advantages=torch.randn(rows, generator=gen).to(device))
+    on_cuda = device == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    model_bytes = torch.cuda.memory_allocated() if on_cuda else None
+    start = time.perf_counter()
+    metrics = trainer.update(batch, 0)
+    _sync()
+    return {"mode": mode, "size": size, "device": device, "rows": rows, "prompt_len": plen,
+            "completion_len": clen, "model_bytes": model_bytes,
+            "peak_bytes": torch.cuda.max_memory_allocated() if on_cuda else None,
+            "update_seconds": time.perf_counter() - start, "loss": metrics["loss"]}
+
+
+def _guard(result: dict, name: str, fn) -> None:
+    """Run one part; an exception is recorded (type and message) so the other parts still report."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - a bench reports what failed and goes on
+        result["errors"][name] = f"{type(exc).__name__}: {exc}"[:500]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
