@@ -1,0 +1,100 @@
+"""CPU smoke test of the end-to-end benchmark (qerl.bench.e2e) on a tiny random Qwen2.5-shaped model.
+
+Runs every code path the GPU run takes (random FP4/dense model build, LoRA, TorchEngine rollouts, one GRPO step
+through GRPOTrainer, one update for the memory figure, HF generate, floors, table, atomic JSON), checking the
+numbers that must hold on any device; the floors are checked against hand-computed byte counts.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qerl.bench import e2e, e2e_report
+from qerl.bench.random_models import build_random_model, decode_weight_bytes, kv_bytes_per_step, qwen25_config
+from qerl.errors import QerlError
+from qerl.quant.linear import FP4Linear
+
+TINY = ["--speed-size", "tiny", "--memory", "tiny:fp4,tiny:bf16", "--batches", "2,4", "--prompts", "2",
+        "--group", "2", "--prompt-len", "8", "--new-tokens", "3", "--step-completion", "3",
+        "--memory-completion", "5", "--micro-batch", "2", "--lora-r", "4", "--hf-tokens", "2", "--in-process"]
+
+
+@pytest.fixture(scope="module")
+def run(tokenizer_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    e2e.main(["--out-dir", str(out), "--tokenizer", str(tokenizer_dir), *TINY])
+    return json.loads((out / "e2e.json").read_text()), out
+
+
+def test_rollout_and_step_rows(run):
+    payload, _ = run
+    assert [r["mode"] for r in payload["speed"]] == ["fp4", "bf16"]
+    for res in payload["speed"]:
+        assert res["errors"] == {}
+        assert [r["batch"] for r in res["rollout"]] == [2, 4]
+        for row in res["rollout"]:  # random weights never sample EOS in 3 tokens here: full length
+            assert row["tokens"] == row["batch"] * 3
+            assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
+        step = res["grpo_step"]
+        assert (step["rows"], step["prompt_len"], step["completion_len"]) == (4, 8, 3)
+        assert step["rollout_tokens"] == 12 and torch.isfinite(torch.tensor(step["loss"]))
+        assert step["step_seconds"] >= step["rollout_seconds"]
+        assert res["hf_generate"]["tokens"] == 2 * 2
+    fp4, bf16 = payload["speed"]
+    assert fp4["grpo_step"]["x_bf16"] == pytest.approx(bf16["grpo_step"]["step_seconds"]
+                                                       / fp4["grpo_step"]["step_seconds"])
+
+
+def test_memory_rows(run):
+    payload, _ = run
+    assert [(m["size"], m["mode"]) for m in payload["memory"]] == [("tiny", "fp4"), ("tiny", "bf16")]
+    for m in payload["memory"]:
+        assert (m["rows"], m["prompt_len"], m["completion_len"]) == (2, 8, 5)
+        assert m["peak_bytes"] is None  # CPU: no allocator statistics, reported as such
+        assert torch.isfinite(torch.tensor(m["loss"]))
+
+
+def test_table_and_files(run):
+    payload, out = run
+    table = e2e_report.markdown(payload)
+    assert "(b) Rollout" in table and "(d) Peak memory" in table and payload["device"] in table
+    assert not list(out.glob("*.tmp")) and (out / "e2e_parts").is_dir()
+
+
+def test_fp4_model_is_packed_and_finite():
+    model = build_random_model("tiny", fp4=True, device="cpu", dtype=torch.float32)
+    fp4 = [m for m in model.modules() if isinstance(m, FP4Linear)]
+    assert len(fp4) == 2 * 7 and not any(p.dtype == torch.uint8 for p in model.parameters())
+    w = fp4[0].dequantize_weight()
+    assert 0.01 < w.std().item() < 0.04  # plausible scales: dequantized std near HF's 0.02 init
+    logits = model(input_ids=torch.randint(0, 1000, (2, 6))).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_decode_bytes_and_floors_by_hand():
+    cfg = qwen25_config("tiny")
+    h, i, layers, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    lin = h * (2 * h + 2 * kv) + 3 * h * i
+    biases = (h + 2 * kv) * 4  # q, k, v biases in float32
+    norms = (2 * layers + 1) * h * 4
+    expected = layers * (lin // 2 + lin // 16 + 4 * 7 + biases) + norms + v * h * 4  # packed + fp8 + gs, lm_head
+    assert decode_weight_bytes(build_random_model(cfg, fp4=True, device="cpu", dtype=torch.float32)) == expected
+    assert kv_bytes_per_step(cfg, rows=3, cache_len=128) == 3 * 128 * 2 * layers * kv * 2
+    payload = {"ceilings": {"copy_GBps": 1.0, "bf16_tflops": 1.0}, "config": {"prompt_len": 8},
+               "speed": [{"mode": "fp4", "size": "tiny", "decode_weight_bytes": 10**9,
+                          "rollout": [{"batch": 4, "new_tokens": 3, "tokens_per_s": 2.0}]}]}
+    e2e_report.add_floors(payload)
+    row = payload["speed"][0]["rollout"][0]
+    assert row["floor_weights_tokens_per_s"] == pytest.approx(4.0)  # 4 rows / (1 GB / 1 GB/s)
+    assert row["pct_of_weight_floor"] == pytest.approx(50.0)
+    assert row["floor_weights_kv_tokens_per_s"] == pytest.approx(4 / (1 + kv_bytes_per_step(cfg, 4, 128) / 1e9))
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(QerlError, match="size"):
+        qwen25_config("3B")
+    with pytest.raises(QerlError, match="--tokenizer"):
+        e2e.main(["--tokenizer", "/nonexistent"])
