@@ -22,6 +22,14 @@ from qerl.stage import default_run_file, load_section, run_main, stage_parser
 log = logging.getLogger("qerl.evaluate")
 
 
+def require_weights(path: str) -> Path:
+    """A local model path must be a directory with weights; anything else is taken as a hub name."""
+    p = Path(path)
+    if p.exists() and not (p.is_dir() and (list(p.glob("*.safetensors")) or list(p.glob("*.bin")))):
+        raise QerlError(f"model directory {path} has no weights (*.safetensors or *.bin)")
+    return p
+
+
 def load_for_eval(path: str, dtype: str):
     """A dense HF model, or the packed FP4 model for a compressed-tensors checkpoint (never a bf16 copy)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -30,9 +38,7 @@ def load_for_eval(path: str, dtype: str):
     from qerl.trainer import resolve_device_dtype
 
     device, torch_dtype = resolve_device_dtype(dtype)
-    p = Path(path)
-    if p.exists() and not list(p.glob("*.safetensors")) and not list(p.glob("*.bin")):
-        raise QerlError(f"model directory {path} has no weights (*.safetensors or *.bin)")
+    p = require_weights(path)
     if p.exists() and is_quantized_checkpoint(p):
         model = load_quantized_model(p, dtype=torch_dtype, device=device)
     else:
@@ -106,8 +112,10 @@ def main(argv: list[str] | None = None) -> None:
         if not paths[variant]:
             raise QerlError(f"eval.variants has '{variant}' but no --{variant.split('_')[0]} path was given")
     data_dir = cfg.data_dir or args.data_dir
-    for entry in cfg.benchmarks:  # fail on a bad benchmark before loading any model
+    for entry in cfg.benchmarks:  # fail on a bad benchmark or model path before loading any model
         _records(entry, data_dir, 1)
+    for variant in cfg.variants:
+        require_weights(paths[variant])
 
     from qerl.evaluation import validate_eval
     from qerl.io import atomic_write_json

@@ -20,6 +20,7 @@ bench json (Table 3; keys optional): {"model_size_gb": float, "rollout_tokens_pe
 from __future__ import annotations
 
 import argparse
+import sys
 import csv
 import json
 import math
@@ -366,9 +367,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     try:
-        written = render_tables(_experiments_arg(args), args.out_dir, plots=not args.no_plots)
+        experiments = _experiments_arg(args)
+        from qerl.tracking import stage_run
+
+        run_file = Path(args.results_dir) / "tables" / "runs" / "tables.json"
+        with stage_run(experiment="tables", stage="tables", params={"experiments": sorted(experiments)},
+                       run_file=run_file, results_dir=args.results_dir) as run:
+            written = render_tables(experiments, args.out_dir, plots=not args.no_plots)
+            for path in written.values():
+                run.log_artifact(path)
     except QerlError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print("\n".join(str(p) for p in written.values()))
     return 0

@@ -220,7 +220,7 @@ class GRPOTrainer:
                                        max_completion_length=cfg.max_completion_length,
                                        num_items_in_batch=n_tokens, gradient_accumulation_steps=len(slices))
                 if not torch.isfinite(loss):
-                    raise QerlError(f"non-finite loss at step {step}; the last good checkpoint is "
+                    raise QerlError(f"non-finite loss at step {step + 1}; the last good checkpoint is "
                                     f"{(list_checkpoints(self.checkpoint_dir) or ['none'])[-1]}")
                 loss.backward()
                 metrics.update(lm, loss=loss.detach(), entropy=masked_mean(ent, mask))

@@ -47,3 +47,16 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
     out = tmp_path_factory.mktemp("tiny_qwen")
     build_tiny_model(out, tokenizer_dir, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def nvfp4_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model quantized to NVFP4 once per session with the real llmcompressor path (+ its report)."""
+    import json
+
+    from qerl.quant.compress import quantize_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny_nvfp4")
+    report = quantize_checkpoint(tiny_model_dir, out, "nvfp4")
+    out.joinpath("report.json").write_text(json.dumps(report))
+    return out

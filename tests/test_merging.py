@@ -15,15 +15,6 @@ IDS = torch.tensor([[5, 77, 1000, 31, 2, 640, 9, 12]])
 
 
 @pytest.fixture(scope="module")
-def nvfp4_dir(tmp_path_factory, tiny_model_dir):
-    from qerl.quant.compress import quantize_checkpoint
-
-    out = tmp_path_factory.mktemp("merge_nvfp4")
-    quantize_checkpoint(tiny_model_dir, out, "nvfp4")
-    return out
-
-
-@pytest.fixture(scope="module")
 def trained(nvfp4_dir, tmp_path_factory):
     """An FP4 policy with non-trivial LoRA and norm values (as after training), its adapter dir and logits."""
     from qerl.checkpoint import save_trained_norms

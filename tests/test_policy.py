@@ -11,15 +11,6 @@ from qerl.quant.linear import FP4Linear
 IDS = torch.tensor([[5, 77, 1000, 31, 2, 640, 9, 12], [8, 1, 300, 4000, 12, 6, 90, 3]])
 
 
-@pytest.fixture(scope="module")
-def nvfp4_dir(tmp_path_factory, tiny_model_dir):
-    from qerl.quant.compress import quantize_checkpoint
-
-    out = tmp_path_factory.mktemp("policy_nvfp4")
-    quantize_checkpoint(tiny_model_dir, out, "nvfp4")
-    return out
-
-
 def _step_and_diff(model) -> set[str]:
     """Names of parameters AND buffers whose values changed after one AdamW step on a toy loss."""
     before = {n: t.detach().clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}

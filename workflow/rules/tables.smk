@@ -9,9 +9,22 @@ rule tables:
     input:
         finished_evals,
     output:
-        table1=report("results/tables/table1.md", category="Tables"),
-        table2=report("results/tables/table2.md", category="Tables"),
-        table3=report("results/tables/table3.md", category="Tables"),
+        report(
+            multiext("results/tables/table1", ".md", ".csv"),
+            category="Tables",
+            subcategory="Table 1 (GSM8K)",
+        ),
+        report(
+            multiext("results/tables/table2", ".md", ".csv"),
+            category="Tables",
+            subcategory="Table 2 (MATH-500, AIME, AMC)",
+        ),
+        report(
+            multiext("results/tables/table3", ".md", ".csv"),
+            category="Tables",
+            subcategory="Table 3 (speed, size)",
+        ),
+        report("results/tables/training_curves.png", category="Plots"),
     params:
         experiments=experiments_json,
     log:

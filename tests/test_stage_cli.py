@@ -1,0 +1,68 @@
+"""Stage CLIs: user mistakes end as one line naming the culprit (exit 2), before any model is loaded."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qerl.stage import run_main
+
+EVAL_CFG = {"benchmarks": [{"name": "gsm8k"}], "variants": ["trained"], "max_new_tokens": 4, "limit": 2}
+
+
+def _fails(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        run_main(main, argv)
+    assert exc.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1
+    return lines[0]
+
+
+def test_evaluate_unknown_benchmark(capsys, tmp_path, data_dir):
+    from qerl.evaluate import main
+
+    cfg = dict(EVAL_CFG, benchmarks=[{"name": "gsm9k"}])
+    line = _fails(capsys, main, ["--experiment", "x", "--trained", str(tmp_path), "--data-dir", str(data_dir),
+                                 "--out", str(tmp_path / "e.json"), "--config-json", json.dumps(cfg)])
+    assert "gsm9k" in line and "gsm8k" in line
+
+
+def test_evaluate_dataset_without_answer_field(capsys, tmp_path):
+    from qerl.evaluate import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
+    cfg = dict(EVAL_CFG, benchmarks=[{"name": "gsm8k", "source": str(bad)}])
+    line = _fails(capsys, main, ["--experiment", "x", "--trained", str(tmp_path), "--out",
+                                 str(tmp_path / "e.json"), "--config-json", json.dumps(cfg)])
+    assert "answer" in line and "bad.jsonl" in line
+
+
+def test_evaluate_model_dir_without_weights(capsys, tmp_path, data_dir, monkeypatch):
+    from qerl.evaluate import main
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    line = _fails(capsys, main, ["--experiment", "x", "--trained", str(model), "--data-dir", str(data_dir),
+                                 "--out", str(tmp_path / "e.json"), "--config-json", json.dumps(EVAL_CFG),
+                                 "--results-dir", str(tmp_path / "res")])
+    assert "has no weights" in line and str(model) in line
+
+
+def test_train_bad_config_key(capsys, tmp_path):
+    from qerl.train import main
+
+    line = _fails(capsys, main, ["--experiment", "x", "--model", str(tmp_path), "--out", str(tmp_path / "a"),
+                                 "--config-json", json.dumps({"data": {"source": "x"}, "lora_rank": 4})])
+    assert "lora_rank: unknown key" in line
+
+
+def test_quantize_missing_model_dir(capsys, tmp_path):
+    from qerl.quantize import main
+
+    line = _fails(capsys, main, ["--experiment", "x", "--model", str(tmp_path / "nope"), "--out",
+                                 str(tmp_path / "q"), "--config-json", "{}"])
+    assert "nope" in line
