@@ -92,10 +92,10 @@ def _default_model_path(model) -> str | None:
     return str(path) if path else None
 
 
-def _vllm_sampling(sampling: SamplingParams, n: int, seed: int | None):
+def _vllm_sampling(sampling: SamplingParams, n: int, seed: int | None, ignore_eos: bool):
     from vllm import SamplingParams as VSampling
 
-    return VSampling(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+    return VSampling(n=n, ignore_eos=ignore_eos, temperature=sampling.temperature, top_p=sampling.top_p,
                      top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_tokens,
                      stop=list(sampling.stop) or None, seed=seed, logprobs=0)
 
@@ -104,13 +104,14 @@ class VLLMEngine(RolloutEngine):
     """Rollouts with vLLM (colocated with the trainer); see the module docstring for the per-step protocol.
 
     model_path: the checkpoint vLLM loads (default: where `model` was loaded from). dtype: vLLM's dtype
-    ("auto" = the checkpoint's). llm_kwargs go to `vllm.LLM` (e.g. max_model_len, enforce_eager, seed).
+    ("auto" = the checkpoint's). ignore_eos: sample exactly max_tokens (benchmarks, like TorchEngine's
+    eos_token_ids=()). llm_kwargs go to `vllm.LLM` (e.g. max_model_len, enforce_eager, seed).
     enable_sleep_mode is honoured only on CUDA (vLLM has no sleep mode on CPU).
     """
 
     def __init__(self, model, tokenizer, *, model_path: str | os.PathLike | None = None,
                  gpu_memory_utilization: float = 0.35, enable_sleep_mode: bool = True, max_lora_rank: int = 64,
-                 dtype: str | None = None, **llm_kwargs):
+                 dtype: str | None = None, ignore_eos: bool = False, **llm_kwargs):
         import torch
         from vllm import LLM
 
@@ -122,7 +123,7 @@ class VLLMEngine(RolloutEngine):
         if not 0 < gpu_memory_utilization <= 1:
             raise QerlError(f"VLLMEngine.gpu_memory_utilization: expected a number in (0, 1], got "
                             f"{gpu_memory_utilization!r}")
-        self.tokenizer, self.model_path = tokenizer, model_path
+        self.tokenizer, self.model_path, self.ignore_eos = tokenizer, model_path, bool(ignore_eos)
         self.sleep_enabled = bool(enable_sleep_mode) and torch.cuda.is_available()
         self.lora_enabled = model is not None and hasattr(model, "peft_config")
         kw = dict(model=model_path, tokenizer=model_path, dtype=dtype or "auto",
@@ -212,7 +213,8 @@ class VLLMEngine(RolloutEngine):
         if self._sleeping:
             self.wake_up()
         per_prompt = 1 if sampling.greedy else n
-        params = [_vllm_sampling(sampling, per_prompt, None if sampling.seed is None else sampling.seed + i * n)
+        params = [_vllm_sampling(sampling, per_prompt, None if sampling.seed is None else sampling.seed + i * n,
+                                 self.ignore_eos)
                   for i in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                                  lora_request=self._lora)
