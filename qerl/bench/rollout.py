@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16")
-    p.add_argument("--engines", default="torch,hf", help="comma list of: torch, hf")
+    p.add_argument("--engines", default="torch,hf", help="comma list of: torch, hf, vllm (needs qerl[vllm])")
     p.add_argument("--cache", default="auto", help="torch engine KV cache: auto | dynamic | static")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per engine (best is reported)")
     p.add_argument("--seed", type=int, default=0)
@@ -62,33 +63,47 @@ def _prompts(tok, batch: int, length: int, seed: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(batch)]
 
 
-def _time_torch(model, tok, prompts, args) -> tuple[float, int]:
-    from qerl.rollout import SamplingParams
-    from qerl.rollout.torch_engine import TorchEngine
+def _qerl_runner(name: str, model, tok, args):
+    """generate() of a qerl engine built once (so caches and compiled graphs persist across runs)."""
+    from qerl.rollout import SamplingParams, make_engine
 
-    engine = TorchEngine(model, tok, cache=args.cache, eos_token_ids=())  # no EOS: fixed length
-    sampling = SamplingParams(temperature=1.0, max_tokens=args.new_tokens, seed=args.seed)
-    _sync()
-    start = time.perf_counter()
-    out = engine.generate(prompts, n=args.n, sampling=sampling)
-    _sync()
-    return time.perf_counter() - start, out.num_tokens
+    if name == "torch":  # no EOS: every row has exactly new_tokens tokens
+        engine = make_engine("torch", model, tok, cache=args.cache, eos_token_ids=())
+    else:
+        engine = make_engine("vllm", model, tok, model_path=args.model, ignore_eos=True,
+                             dtype=str(model.dtype).removeprefix("torch."), gpu_memory_utilization=0.5)
+
+    def run(prompts, new_tokens: int) -> int:
+        sampling = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=args.seed)
+        return engine.generate(prompts, n=args.n, sampling=sampling).num_tokens
+
+    return run
 
 
-def _time_hf(model, tok, prompts, args) -> tuple[float, int]:
+def _hf_runner(model, tok, args):
+    """transformers' generate: each prompt expanded n times before its prefill."""
     tok.padding_side = "left"
     if tok.pad_token is None:  # e.g. SmolLM2: any id works, the padded positions are masked
         tok.pad_token = tok.eos_token
-    enc = tok.pad({"input_ids": prompts}, return_tensors="pt").to(model.device)
-    torch.manual_seed(args.seed)
+
+    def run(prompts, new_tokens: int) -> int:
+        enc = tok.pad({"input_ids": prompts}, return_tensors="pt").to(model.device)
+        torch.manual_seed(args.seed)
+        with torch.inference_mode():
+            out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 num_return_sequences=args.n, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
+        return (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+
+    return run
+
+
+def _timed(run, prompts, new_tokens: int) -> tuple[float, int]:
     _sync()
     start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             num_return_sequences=args.n, max_new_tokens=args.new_tokens,
-                             min_new_tokens=args.new_tokens, pad_token_id=tok.pad_token_id)
+    tokens = run(prompts, new_tokens)
     _sync()
-    return time.perf_counter() - start, (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+    return time.perf_counter() - start, tokens
 
 
 def _sync():
@@ -102,17 +117,16 @@ def _measure(model, tok, prompts, args) -> list[dict]:
     On CUDA the warm-up is the full run (it compiles and captures the decode graph; its time is
     reported as first_seconds); on CPU a 4-token run is enough to fault in weights and allocators.
     """
-    timers = {"torch": _time_torch, "hf": _time_hf}
     rows = []
     for name in args.engines.split(","):
-        if name not in timers:
-            raise QerlError(f"--engines: expected a comma list of torch, hf; got {name!r}")
+        if name not in ("torch", "hf", "vllm"):
+            raise QerlError(f"--engines: expected a comma list of torch, hf, vllm; got {name!r}")
+        run = _hf_runner(model, tok, args) if name == "hf" else _qerl_runner(name, model, tok, args)
         if model.device.type == "cuda":
-            first, _ = timers[name](model, tok, prompts, args)
+            first, _ = _timed(run, prompts, args.new_tokens)
         else:
-            first, _ = timers[name](model, tok, prompts[:1], argparse.Namespace(**{**vars(args), "new_tokens": 4}))
-        runs = [timers[name](model, tok, prompts, args) for _ in range(args.repeats)]
-        seconds, tokens = min(runs)
+            first, _ = _timed(run, prompts[:1], 4)
+        seconds, tokens = min(_timed(run, prompts, args.new_tokens) for _ in range(args.repeats))
         rows.append({"engine": name, "seconds": round(seconds, 3), "tokens": tokens,
                      "tokens_per_s": round(tokens / seconds, 1), "first_seconds": round(first, 3)})
     return rows
@@ -145,4 +159,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except QerlError as err:  # a user mistake: one line, exit 2 (as the stage CLIs)
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
