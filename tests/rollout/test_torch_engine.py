@@ -268,3 +268,17 @@ def test_cuda_graph_runs_fp4_lora_model(tmp_path, tokenizer_dir, prompts):
     assert graphed[0].completion_ids == eager.completion_ids == graphed[1].completion_ids
     if not engine.use_cuda_graph:
         pytest.xfail(f"decode fell back to eager: {caught[0].message if caught else '?'}")
+
+
+def test_bench_writes_json_with_equal_work_per_engine(tiny_model_dir, tmp_path):
+    import json
+
+    from qerl.bench.rollout import main
+
+    out = tmp_path / "bench" / "rollout.json"
+    assert main(["--model", str(tiny_model_dir), "--batch", "2", "--n", "2", "--prompt-len", "5",
+                 "--new-tokens", "3", "--engines", "torch,hf", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["engine"] for r in result["results"]] == ["torch", "hf"]
+    assert [r["tokens"] for r in result["results"]] == [2 * 2 * 3] * 2
+    assert result["dtype"] == "float32" and not list(out.parent.glob("*.tmp"))
