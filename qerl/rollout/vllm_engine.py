@@ -133,6 +133,7 @@ class VLLMEngine(RolloutEngine):
             kw.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
         kw.update(llm_kwargs)
         self.llm = LLM(**kw)
+        self.max_lora_rank = max_lora_rank
         self._lora = None  # the LoRARequest of the current step
         self._lora_id = 0
         self._lora_root = Path(tempfile.mkdtemp(prefix="qerl-vllm-lora-", dir=_tmp_dir()))
@@ -167,6 +168,10 @@ class VLLMEngine(RolloutEngine):
     def _push_adapter(self, model) -> None:
         from vllm.lora.request import LoRARequest
 
+        rank = max(getattr(c, "r", 0) for c in model.peft_config.values())
+        if rank > self.max_lora_rank:
+            raise QerlError(f"VLLMEngine.max_lora_rank: the adapter has rank {rank}, expected <= {self.max_lora_rank} "
+                            "(raise max_lora_rank to >= lora_r)")
         self._lora_id += 1
         path = self._lora_root / f"step{self._lora_id}"
         model.save_pretrained(str(path))  # a PeftModel writes only the adapter (config + safetensors)
