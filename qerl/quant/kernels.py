@@ -70,17 +70,43 @@ def reference_fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_
     return grad_in
 
 
-def fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None):
-    """x (..., K) @ deq(W).T -> (..., N) (+ bias): Triton on CUDA when available, the torch reference otherwise."""
+@torch.library.custom_op("qerl::fp4_matmul", mutates_args=())
+def _fp4_matmul_op(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                   weight_global_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     kernel = _use_triton(x, weight_scale, "_triton_fp4_matmul")
     if kernel is not None:
         return kernel(x, weight_packed, weight_scale, weight_global_scale, bias)
     return reference_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias)
 
 
-def fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale):
-    """grad_out (..., N) @ deq(W) -> (..., K), the input gradient of fp4_matmul."""
+@_fp4_matmul_op.register_fake
+def _(x, weight_packed, weight_scale, weight_global_scale, bias):
+    return x.new_empty(*x.shape[:-1], weight_packed.shape[0])
+
+
+@torch.library.custom_op("qerl::fp4_matmul_t", mutates_args=())
+def _fp4_matmul_t_op(grad_out: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                     weight_global_scale: torch.Tensor) -> torch.Tensor:
     kernel = _use_triton(grad_out, weight_scale, "_triton_fp4_matmul_t")
     if kernel is not None:
         return kernel(grad_out, weight_packed, weight_scale, weight_global_scale)
     return reference_fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale)
+
+
+@_fp4_matmul_t_op.register_fake
+def _(grad_out, weight_packed, weight_scale, weight_global_scale):
+    return grad_out.new_empty(*grad_out.shape[:-1], weight_packed.shape[1] * 2)
+
+
+def fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None):
+    """x (..., K) @ deq(W).T -> (..., N) (+ bias): Triton on CUDA when available, the torch reference otherwise.
+
+    A torch custom op (qerl::fp4_matmul): torch.compile and CUDA-graph capture treat it as one opaque kernel
+    instead of tracing into the Triton launcher.
+    """
+    return _fp4_matmul_op(x, weight_packed, weight_scale, weight_global_scale, bias)
+
+
+def fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale):
+    """grad_out (..., N) @ deq(W) -> (..., K), the input gradient of fp4_matmul (custom op qerl::fp4_matmul_t)."""
+    return _fp4_matmul_t_op(grad_out, weight_packed, weight_scale, weight_global_scale)
