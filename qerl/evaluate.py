@@ -72,8 +72,14 @@ def evaluate_variant(variant: str, path: str, cfg, data_dir, records_dir: Path, 
     from qerl.evaluation import benchmark_entry, evaluate_benchmark, result_key
     from qerl.rollout import make_engine
 
-    model, tok = load_for_eval(path, cfg.dtype)
-    engine = make_engine(cfg.engine, model, tok)
+    if cfg.engine == "vllm":  # vLLM loads the checkpoint itself (NVFP4 included): no torch copy
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+        engine = make_engine("vllm", None, tok, model_path=path)
+    else:
+        model, tok = load_for_eval(path, cfg.dtype)
+        engine = make_engine(cfg.engine, model, tok)
     results = {}
     for entry in cfg.benchmarks:
         spec, records = _records(entry, data_dir, cfg.limit)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from qerl.aqn import aqn_noise, aqn_sigma, aqn_stage
+from qerl.aqn import aqn_noise, aqn_sigma, aqn_stage, rmsnorm_noise_targets, sample_noise
 from qerl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from qerl.config import TrainConfig
 from qerl.errors import QerlError
@@ -76,7 +76,11 @@ class GRPOTrainer:
         self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer,
                                        num_warmup_steps=math.ceil(cfg.warmup_ratio * updates),
                                        num_training_steps=updates)
-        self.engine = make_engine(cfg.rollout.engine, model, tokenizer)
+        engine_kw = {}
+        if cfg.rollout.engine == "vllm":
+            engine_kw = {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+                         "max_lora_rank": max(64, cfg.lora.lora_r)}
+        self.engine = make_engine(cfg.rollout.engine, model, tokenizer, **engine_kw)
         self.step, self.log_history = 0, []
         self._perms: dict[int, torch.Tensor] = {}
 
@@ -112,8 +116,15 @@ class GRPOTrainer:
         sigma, stage = self.sigma(step)
         t0 = time.perf_counter()
         noise_gen = torch.Generator().manual_seed(_step_seed(self.cfg.seed, step, 2))
-        with aqn_noise(self.model, sigma, noise_gen) as noise:
+        if hasattr(self.engine, "update_policy"):  # vllm: its own weights get this step's adapter and noise
+            targets = rmsnorm_noise_targets(self.model) if sigma > 0 else []
+            vecs = sample_noise({n: p.shape for n, p in targets}, sigma, noise_gen) if sigma > 0 else None
+            noise_stats = self.engine.update_policy(self.model, vecs)
             out = self.engine.generate(prompts, n=self.cfg.num_generations, sampling=self.sampling(step))
+        else:  # torch engine: the rollout runs the very modules being trained, noise applied in place
+            with aqn_noise(self.model, sigma, noise_gen) as noise:
+                out = self.engine.generate(prompts, n=self.cfg.num_generations, sampling=self.sampling(step))
+            noise_stats = {"aqn/applied_rms": noise.applied_rms, "aqn/changed_fraction": noise.changed_fraction}
         t_rollout = time.perf_counter() - t0
         texts = out.texts(self.tokenizer)
         rewards, metrics = self.score(texts, answers)
@@ -126,8 +137,7 @@ class GRPOTrainer:
             "frac_reward_zero_std": (grouped.std(dim=1) == 0).float().mean().item(),
             "completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
             "completions/clipped_ratio": sum(r == "length" for r in out.finish_reasons) / len(texts),
-            "aqn/sigma": sigma, "aqn/stage": stage, "aqn/applied_rms": noise.applied_rms,
-            "aqn/changed_fraction": noise.changed_fraction,
+            "aqn/sigma": sigma, "aqn/stage": stage, **noise_stats,
             "timing/rollout": t_rollout, "rollout_tokens": float(lengths.sum()),
         })
         batch.metrics = metrics
@@ -252,6 +262,7 @@ class GRPOTrainer:
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batch = self.rollout(self.step)
+            getattr(self.engine, "sleep", lambda: None)()  # vllm frees its memory for the update; generate wakes it
             metrics = {**batch.metrics, **self.update(batch, self.step)}
             metrics["timing/step"] = time.perf_counter() - t0
             metrics["tokens_per_second"] = metrics.pop("rollout_tokens") / max(metrics["timing/rollout"], 1e-9)
