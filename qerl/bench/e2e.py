@@ -53,6 +53,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate baseline (0: skip)")
     p.add_argument("--memory-jobs", type=int, default=1, help="memory workers run at once (peaks are per process)")
     p.add_argument("--timeout-s", type=float, default=300, help="per worker subprocess")
+    p.add_argument("--cuda-graph", choices=["auto", "off"], default="auto", help="TorchEngine decode graphs")
+    p.add_argument("--out-name", default="e2e.json")
     p.add_argument("--in-process", action="store_true", help="run workers in this process (CPU smoke tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker", choices=["speed", "memory"], help=argparse.SUPPRESS)
@@ -155,7 +157,7 @@ def main(argv=None) -> int:
     speed_specs = [f"{args.speed_size}:{m}" for m in args.speed_modes.split(",") if m]
     payload["speed"] = _run_workers(args, "speed", speed_specs, 1, parts)
     add_floors(payload)
-    write_json(out_dir / "e2e.json", payload)
+    write_json(out_dir / args.out_name, payload)
     print(markdown(payload))
     return 0
 

@@ -145,8 +145,10 @@ def speed_worker(args, mode: str, size: str, on_part=None) -> dict:
     trainer = make_trainer(model, tokenizer, prompts, fp4=fp4, num_generations=args.group,
                            completion_len=args.step_completion, micro_batch_size=args.micro_batch,
                            lora_r=args.lora_r, seed=args.seed)
+    if args.cuda_graph == "off":  # eager decode steps (the engine's own fallback path), static cache kept
+        trainer.engine.use_cuda_graph = False
     result = {"mode": mode, "size": size, "device": device, "decode_weight_bytes": decode_weight_bytes(model),
-              "rollout": [], "errors": {}}
+              "cuda_graph": trainer.engine.use_cuda_graph, "rollout": [], "errors": {}}
     for batch in args.batches:
         _guard(result, f"rollout_b{batch}", lambda b=batch: result["rollout"].append(
             _rollout_rows(trainer.engine, prompts, b, args.new_tokens, args.seed)))
