@@ -131,6 +131,7 @@ class EvalConfig(_Section):
     temperature: float = Field(0.6, gt=0.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     max_new_tokens: int = Field(4096, ge=1)
+    stop: list[str] = Field([], description="stop strings (use the training rollout's, e.g. the demo's newline)")
     template: str | None = Field(None, description="None: the training template")
     batch_size: int = Field(64, ge=1, description="prompts per generate call")
     limit: int | None = Field(None, ge=1, description="evaluate only the first N problems (smoke tests)")

@@ -61,11 +61,11 @@ def _records(entry, data_dir: str | None, limit: int | None):
 def _modes(cfg, spec, entry):
     from qerl.rollout import SamplingParams
 
+    common = {"max_tokens": cfg.max_new_tokens, "stop": tuple(cfg.stop), "seed": cfg.seed}
     if cfg.greedy:
-        yield "greedy", 1, SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
+        yield "greedy", 1, SamplingParams(temperature=0.0, **common)
     if cfg.sampled:
-        yield "sampled", entry.k or spec.k, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                                           max_tokens=cfg.max_new_tokens, seed=cfg.seed)
+        yield "sampled", entry.k or spec.k, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, **common)
 
 
 def evaluate_variant(variant: str, path: str, cfg, data_dir, records_dir: Path, run) -> dict:
