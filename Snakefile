@@ -13,7 +13,7 @@ configfile: "config/config.yaml"
 include: "workflow/rules/common.smk"
 
 
-validate(config, "workflow/schemas/config.schema.yaml")
+validate(config, "workflow/schemas/config.schema.yaml", set_default=False)
 
 
 include: "workflow/rules/resources.smk"
