@@ -142,10 +142,11 @@ def test_cli(tmp_path, capsys):
     exp = tmp_path / "experiments.json"
     exp.write_text(json.dumps({"demo": {"row_key": "demo", "model_size": "tiny",
                                         "eval_path": str(tmp_path / "missing.json")}}))
-    assert tables.main(["--experiments-json", str(exp), "--out-dir", str(tmp_path / "out"), "--no-plots"]) == 0
+    res = ["--results-dir", str(tmp_path / "res")]
+    assert tables.main(["--experiments-json", str(exp), "--out-dir", str(tmp_path / "out"), "--no-plots", *res]) == 0
     assert (tmp_path / "out" / "table2.csv").exists()
-    assert tables.main(["--experiments-json", str(tmp_path / "nope.json"), "--out-dir", str(tmp_path)]) == 2
-    assert "does not exist" in capsys.readouterr().out
+    assert tables.main(["--experiments-json", str(tmp_path / "nope.json"), "--out-dir", str(tmp_path), *res]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_cli_from_workflow_config(tmp_path):
