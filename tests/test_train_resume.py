@@ -14,12 +14,16 @@ import torch
 from safetensors.torch import load_file
 
 
+TOY_REWARD = "def text_length(completions, **kw):\n    return [len(c) / 10.0 for c in completions]\n"
+
+
 def _train_config(task: Path) -> dict:
+    """A random tiny model never answers right: a length reward (by import path) gives the groups variance."""
     return {
         "mode": "qlora_fp4",
         "data": {"source": str(task / "train.jsonl"), "answer_kind": "numeric", "template": "answer_line",
                  "limit": 12},
-        "rewards": ["correctness", "answer_line_format"], "reward_weights": [1.0, 0.1],
+        "rewards": ["correctness", "toy_rewards:text_length"], "reward_weights": [1.0, 0.1],
         "num_generations": 2, "batch_size": 2, "micro_batch_size": 2, "max_steps": 5, "learning_rate": 5e-3,
         "max_prompt_length": 128, "max_completion_length": 5, "lora": {"lora_r": 4, "lora_alpha": 8},
         "aqn": {"sigma_start": 1e-2, "sigma_end": 1e-3, "num_stages": 3}, "dtype": "float32", "save_steps": 1,
@@ -33,8 +37,9 @@ def _cmd(model: Path, out: Path, ckpt: Path, results: Path, cfg: dict, resume: b
     return cmd + (["--resume"] if resume else [])
 
 
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+def _env(reward_dir: Path) -> dict:
+    path = os.pathsep.join(filter(None, [str(reward_dir), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=path)
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
 
@@ -45,17 +50,18 @@ def task(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("task")
     make_demo_task(out, seed=0)
+    (out / "toy_rewards.py").write_text(TOY_REWARD)
     return out
 
 
 def test_kill_and_resume_equals_uninterrupted(nvfp4_dir, task, tmp_path):
     cfg = _train_config(task)
     full = subprocess.run(_cmd(nvfp4_dir, tmp_path / "a", tmp_path / "ck_a", tmp_path / "res", cfg, False),
-                          env=_env(), capture_output=True, text=True, timeout=600)
+                          env=_env(task), capture_output=True, text=True, timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]
 
     ck_b = tmp_path / "ck_b"
-    proc = subprocess.Popen(_cmd(nvfp4_dir, tmp_path / "b", ck_b, tmp_path / "res", cfg, True), env=_env(),
+    proc = subprocess.Popen(_cmd(nvfp4_dir, tmp_path / "b", ck_b, tmp_path / "res", cfg, True), env=_env(task),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not (ck_b / "step-000002").exists() and proc.poll() is None and time.time() < deadline:
@@ -64,7 +70,7 @@ def test_kill_and_resume_equals_uninterrupted(nvfp4_dir, task, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "b").exists()
-    resumed = subprocess.run(_cmd(nvfp4_dir, tmp_path / "b", ck_b, tmp_path / "res", cfg, True), env=_env(),
+    resumed = subprocess.run(_cmd(nvfp4_dir, tmp_path / "b", ck_b, tmp_path / "res", cfg, True), env=_env(task),
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
@@ -83,12 +89,13 @@ def test_kill_and_resume_equals_uninterrupted(nvfp4_dir, task, tmp_path):
 def test_existing_checkpoints_without_resume_is_an_error(nvfp4_dir, task, tmp_path):
     (tmp_path / "ck" / "step-000001").mkdir(parents=True)
     proc = subprocess.run(_cmd(nvfp4_dir, tmp_path / "o", tmp_path / "ck", tmp_path / "res", _train_config(task),
-                               False), env=_env(), capture_output=True, text=True, timeout=300)
+                               False), env=_env(task), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "--resume" in proc.stderr
 
 
 def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(nvfp4_dir, task, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(task))
     from qerl import trainer as trainer_mod
     from qerl.config import parse_section
     from qerl.errors import QerlError
