@@ -12,17 +12,19 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from qerl.aqn import aqn_noise, aqn_sigma, aqn_stage, rmsnorm_noise_targets, sample_noise
 from qerl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from qerl.config import TrainConfig
 from qerl.errors import QerlError
 from qerl.grpo import group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
+
+if TYPE_CHECKING:  # pydantic is not on the GPU image; the trainer only reads the config's attributes
+    from qerl.config import TrainConfig
 
 log = logging.getLogger("qerl.train")
 
