@@ -56,9 +56,23 @@ def require_dir(path: str | Path, what: str, must_contain: tuple[str, ...] = ("c
     return path
 
 
+def use_available_cpus() -> int:
+    """torch threads = the CPUs this process may run on (its affinity mask: a SLURM job's allocation, all cores
+    locally), or QERL_NUM_THREADS. Snakemake exports OMP_NUM_THREADS=<rule threads>, which is 1 under
+    `snakemake --cores 1` and would halve the CPU demo's speed on a 2-core machine while the job runs alone."""
+    import os
+
+    import torch
+
+    n = int(os.environ.get("QERL_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    torch.set_num_threads(n)
+    return n
+
+
 def run_main(fn: Callable[[list[str] | None], None], argv: list[str] | None = None) -> None:
     """Run a stage main; user mistakes end as one line on stderr and exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    use_available_cpus()
     try:
         fn(argv)
     except QerlError as err:
