@@ -40,6 +40,24 @@ def _step_seed(seed: int, step: int, salt: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + salt) % (2**31 - 1)
 
 
+def pad_rollout(out, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, rollout log-probs (rows, completion length)) of a RolloutOutput in TRL's layout:
+    left-padded prompt, then right-padded completion."""
+    plen = max(len(p) for p in out.prompt_ids)
+    clen = max(1, max(len(c) for c in out.completion_ids))
+    rows = len(out.completion_ids)
+    ids = torch.full((rows, plen + clen), pad_id, dtype=torch.long)
+    attn = torch.zeros((rows, plen + clen), dtype=torch.long)
+    logprobs = torch.zeros((rows, clen), dtype=torch.float32)
+    for i, (p, c, lp) in enumerate(zip(out.prompt_ids, out.completion_ids, out.logprobs)):
+        ids[i, plen - len(p):plen] = torch.tensor(p, dtype=torch.long)
+        attn[i, plen - len(p):plen + len(c)] = 1
+        if c:
+            ids[i, plen:plen + len(c)] = torch.tensor(c, dtype=torch.long)
+            logprobs[i, :len(c)] = torch.tensor(lp, dtype=torch.float32)
+    return ids, attn, logprobs
+
+
 @dataclass
 class Batch:
     """One rollout batch as padded tensors (TRL layout: left-padded prompt, right-padded completion)."""
@@ -159,21 +177,11 @@ class GRPOTrainer:
 
     def collate(self, out, advantages: torch.Tensor) -> Batch:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        plen = max(len(p) for p in out.prompt_ids)
-        clen = max(1, max(len(c) for c in out.completion_ids))
-        rows = len(out.completion_ids)
-        ids = torch.full((rows, plen + clen), pad, dtype=torch.long)
-        attn = torch.zeros((rows, plen + clen), dtype=torch.long)
-        cmask = torch.zeros((rows, clen), dtype=torch.float32)
-        rlp = torch.zeros((rows, clen), dtype=torch.float32)
-        for i, (p, c, lp) in enumerate(zip(out.prompt_ids, out.completion_ids, out.logprobs)):
-            ids[i, plen - len(p):plen] = torch.tensor(p)
-            attn[i, plen - len(p):plen + len(c)] = 1
-            if c:
-                ids[i, plen:plen + len(c)] = torch.tensor(c)
-                rlp[i, :len(c)] = torch.tensor(lp, dtype=torch.float32)
-                keep = not (self.cfg.mask_truncated_completions and out.finish_reasons[i] == "length")
-                cmask[i, :len(c)] = float(keep)
+        ids, attn, rlp = pad_rollout(out, pad)
+        cmask = attn[:, ids.shape[1] - rlp.shape[1]:].float()
+        if self.cfg.mask_truncated_completions:
+            truncated = torch.tensor([r == "length" for r in out.finish_reasons])
+            cmask[truncated] = 0.0
         dev = self.device
         return Batch(ids.to(dev), attn.to(dev), cmask.to(dev), rlp.to(dev), advantages.to(dev))
 

@@ -27,21 +27,16 @@ def rollout_entropy(model, tokenizer, prompts: list[list[int]], *, sigma: float,
     from qerl.grpo import masked_mean, token_logprobs
     from qerl.rollout import SamplingParams
     from qerl.rollout.torch_engine import TorchEngine
+    from qerl.trainer import pad_rollout
 
     engine = TorchEngine(model, tokenizer)
     sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
     with aqn_noise(model, sigma, torch.Generator().manual_seed(10_000 + seed)), torch.no_grad():
         out = engine.generate(prompts, n=n, sampling=sampling)
-        pad = tokenizer.pad_token_id or 0
-        plen, clen = max(map(len, out.prompt_ids)), max(1, max(map(len, out.completion_ids)))
-        ids = torch.full((len(out.completion_ids), plen + clen), pad)
-        attn = torch.zeros_like(ids)
-        for i, (p, c) in enumerate(zip(out.prompt_ids, out.completion_ids)):
-            ids[i, plen - len(p):plen] = torch.tensor(p)
-            ids[i, plen:plen + len(c)] = torch.tensor(c, dtype=torch.long)
-            attn[i, plen - len(p):plen + len(c)] = 1
+        ids, attn, rollout_lp = pad_rollout(out, tokenizer.pad_token_id or 0)
+        clen = rollout_lp.shape[1]
         _, ent = token_logprobs(model, ids, attn, clen, temperature=temperature)
-    return float(masked_mean(ent, attn[:, plen:]))
+    return float(masked_mean(ent, attn[:, -clen:]))
 
 
 def main(argv: list[str] | None = None) -> None:
