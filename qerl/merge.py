@@ -9,8 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qerl.errors import QerlError
 from qerl.io import atomic_dir, atomic_write_json
 from qerl.stage import default_run_file, load_section, require_dir, run_main, stage_parser
+
+
+def copy_full_model(model_dir: str | Path, out_dir: str | Path, dtype) -> dict:
+    """train.mode full writes whole weights instead of an adapter: the merged model is that model in `dtype`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    return {"mode": "full", "dtype": str(dtype).removeprefix("torch."), "merged_layers": 0, "max_abs_diff": 0.0}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,9 +43,16 @@ def main(argv: list[str] | None = None) -> None:
     params = {"base": args.base, "adapter": args.adapter, "dtype": args.dtype, **cfg.model_dump(mode="json")}
     with stage_run(experiment=args.experiment, stage="merge", params=params, run_file=default_run_file(args, "merge"),
                    results_dir=args.results_dir, upstream_run_file=args.upstream_run_file) as run:
+        full = not (Path(args.adapter) / "adapter_config.json").exists()
+        if full and cfg.requantize:
+            raise QerlError("merge.requantize: not available for full fine-tuning output; quantize it separately")
         with atomic_dir(args.out) as tmp:
-            report = merge_adapter(args.base, args.adapter, tmp, dtype=getattr(torch, args.dtype),
-                                   requantize=cfg.requantize)
+            if full:
+                require_dir(args.adapter, "--adapter (full fine-tuning output)")
+                report = copy_full_model(args.adapter, tmp, getattr(torch, args.dtype))
+            else:
+                report = merge_adapter(args.base, args.adapter, tmp, dtype=getattr(torch, args.dtype),
+                                       requantize=cfg.requantize)
             atomic_write_json(Path(tmp) / "merge.json", report)
         run.log_metrics({k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         run.log_artifact(Path(args.out) / "merge.json")

@@ -66,3 +66,20 @@ def test_quantize_missing_model_dir(capsys, tmp_path):
     line = _fails(capsys, main, ["--experiment", "x", "--model", str(tmp_path / "nope"), "--out",
                                  str(tmp_path / "q"), "--config-json", "{}"])
     assert "nope" in line
+
+
+def test_merge_of_full_fine_tuning_output_is_the_model_in_bf16(tiny_model_dir, tmp_path, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qerl.merge import main
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_main(main, ["--experiment", "x", "--base", str(tiny_model_dir), "--adapter", str(tiny_model_dir),
+                    "--out", str(tmp_path / "merged"), "--config-json", "{}", "--results-dir", str(tmp_path)])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert merged.dtype == torch.bfloat16
+    for (name, a), b in zip(merged.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b.to(torch.bfloat16)), name
+    assert json.loads((tmp_path / "merged" / "merge.json").read_text())["mode"] == "full"
