@@ -32,6 +32,18 @@ def tracking_uri(results_dir: str | Path = "results") -> str:
     return f"sqlite:///{Path(results_dir).resolve() / 'mlflow.db'}"
 
 
+def _use_uri(mlflow, uri: str) -> None:
+    """mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI (for subprocesses); that would turn our default
+    store into a user override for every later stage_run/find_stage_runs and child process, so keep the
+    environment as the user set it."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 def check_tracking_server(uri: str, timeout: float = 5.0) -> None:
     """Fail in seconds, before expensive work, when an http(s) tracking server does not answer."""
     if not uri.startswith(("http://", "https://")):
@@ -89,6 +101,11 @@ class StageRun:
         clean = {k.replace("@", "_at_"): float(v) for k, v in metrics.items() if v is not None}
         self._mlflow.log_metrics(clean, step=step)
 
+    def log_report(self, report: dict[str, Any], prefix: str = "") -> None:
+        """The numeric top-level fields of a stage report (quantize.json, merge.json, ...) as metrics."""
+        self.log_metrics({f"{prefix}{k}": v for k, v in report.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)})
+
     def log_params(self, params: dict[str, Any]) -> None:
         flat = _flatten(params)
         for i in range(0, len(flat), 90):  # MLflow accepts at most 100 params per batch
@@ -125,7 +142,7 @@ def stage_run(*, experiment: str, stage: str, params: dict[str, Any], run_file: 
     results_dir.mkdir(parents=True, exist_ok=True)
     uri = tracking_uri(results_dir)
     check_tracking_server(uri)
-    mlflow.set_tracking_uri(uri)
+    _use_uri(mlflow, uri)
     exp_id = _experiment_id(mlflow, results_dir, mlflow_experiment)
     tags = {"qerl.experiment": experiment, "qerl.stage": stage, "qerl.git_commit": git_commit()}
     upstream = read_run_file(upstream_run_file)
@@ -147,7 +164,7 @@ def find_stage_runs(experiment: str, results_dir: str | Path = "results",
     """Finished runs of one qerl experiment, as dicts (used by tests and tables)."""
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri(results_dir))
+    _use_uri(mlflow, tracking_uri(results_dir))
     exp = mlflow.get_experiment_by_name(mlflow_experiment)
     if exp is None:
         return []

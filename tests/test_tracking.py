@@ -63,3 +63,15 @@ def test_env_uri_overrides_default(monkeypatch, tmp_path):
     assert tracking.tracking_uri(tmp_path) == "http://example:5000"
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     assert tracking.tracking_uri(tmp_path).startswith("sqlite:///")
+
+
+def test_default_store_does_not_leak_into_the_environment(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with tracking.stage_run(experiment="x", stage="quantize", params={}, run_file=tmp_path / "a" / "r.json",
+                            results_dir=tmp_path / "a"):
+        pass
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    assert tracking.find_stage_runs("x", tmp_path / "b") == []
+    assert len(tracking.find_stage_runs("x", tmp_path / "a")) == 1
