@@ -68,7 +68,7 @@ def _modes(cfg, spec, entry):
         yield "sampled", entry.k or spec.k, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, **common)
 
 
-def evaluate_variant(variant: str, path: str, cfg, data_dir, records_dir: Path, run) -> dict:
+def evaluate_variant(variant: str, path: str, cfg, benchmarks: list, records_dir: Path, run) -> dict:
     from qerl.evaluation import benchmark_entry, evaluate_benchmark, result_key
     from qerl.rollout import make_engine
 
@@ -81,8 +81,7 @@ def evaluate_variant(variant: str, path: str, cfg, data_dir, records_dir: Path, 
         model, tok = load_for_eval(path, cfg.dtype)
         engine = make_engine(cfg.engine, model, tok)
     results = {}
-    for entry in cfg.benchmarks:
-        spec, records = _records(entry, data_dir, cfg.limit)
+    for entry, (spec, records) in zip(cfg.benchmarks, benchmarks):
         template = cfg.template or spec.template
         for mode, k, sampling in _modes(cfg, spec, entry):
             t0 = time.perf_counter()
@@ -118,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         if not paths[variant]:
             raise QerlError(f"eval.variants has '{variant}' but no --{variant.split('_')[0]} path was given")
     data_dir = cfg.data_dir or args.data_dir
-    for entry in cfg.benchmarks:  # fail on a bad benchmark or model path before loading any model
-        _records(entry, data_dir, 1)
+    # fail on a bad benchmark or model path before loading any model
+    benchmarks = [_records(entry, data_dir, cfg.limit) for entry in cfg.benchmarks]
     for variant in cfg.variants:
         require_weights(paths[variant])
 
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
                    upstream_run_file=args.upstream_run_file) as run:
         results = {}
         for variant in cfg.variants:
-            results.update(evaluate_variant(variant, paths[variant], cfg, data_dir, records_dir, run))
+            results.update(evaluate_variant(variant, paths[variant], cfg, benchmarks, records_dir, run))
         doc = {"experiment": args.experiment, "created": datetime.now(timezone.utc).isoformat(),
                "model": {"path": args.trained, "base": args.base or "", "quantized": args.quantized or ""},
                "engine": cfg.engine, "mlflow_run_id": run.run_id, "benchmarks": results}

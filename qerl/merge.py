@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
                 report = merge_adapter(args.base, args.adapter, tmp, dtype=getattr(torch, args.dtype),
                                        requantize=cfg.requantize)
             atomic_write_json(Path(tmp) / "merge.json", report)
-        run.log_metrics({k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        run.log_report(report)
         run.log_artifact(Path(args.out) / "merge.json")
     print(f"merged {args.adapter} into {args.base} -> {args.out}")
 

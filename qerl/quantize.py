@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
                                          num_calibration_samples=cfg.calibration_samples,
                                          max_seq_length=cfg.max_seq_length)
             atomic_write_json(Path(tmp) / "quantize.json", report)
-        run.log_metrics({k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        run.log_report(report)
         run.log_artifact(Path(args.out) / "quantize.json")
     print(f"quantized {args.model} ({cfg.scheme}) -> {args.out}")
 

@@ -161,7 +161,6 @@ class GRPOTrainer:
             "timing/rollout": t_rollout, "rollout_tokens": float(lengths.sum()),
         })
         batch.metrics = metrics
-        self._last_texts = texts[: self.cfg.num_generations]
         return batch
 
     def score(self, texts: list[str], answers: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
