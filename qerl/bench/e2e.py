@@ -54,6 +54,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-jobs", type=int, default=1, help="memory workers run at once (peaks are per process)")
     p.add_argument("--timeout-s", type=float, default=300, help="per worker subprocess")
     p.add_argument("--cuda-graph", choices=["auto", "off"], default="auto", help="TorchEngine decode graphs")
+    p.add_argument("--compile", choices=["auto", "off"], default="auto", help="torch.compile of the decode forward")
+    p.add_argument("--profile-tokens", type=int, default=0,
+                   help="also profile one rollout of this many tokens at the first batch (kernels per step)")
     p.add_argument("--out-name", default="e2e.json")
     p.add_argument("--in-process", action="store_true", help="run workers in this process (CPU smoke tests)")
     p.add_argument("--seed", type=int, default=0)

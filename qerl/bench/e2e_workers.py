@@ -77,7 +77,8 @@ def _timed_generate(engine, prompts, n: int, new_tokens: int, seed: int) -> dict
     _sync()
     seconds = time.perf_counter() - start
     return {"rows": len(out.completion_ids), "seconds": seconds, "tokens": out.num_tokens,
-            "tokens_per_s": out.num_tokens / seconds, "decode_calls": out.stats.get("decode_calls")}
+            "tokens_per_s": out.num_tokens / seconds, "decode_calls": out.stats.get("decode_calls"),
+            "graph_replays": out.stats.get("graph_replays"), "graph_captures": out.stats.get("graph_captures")}
 
 
 def _rollout_rows(engine, prompts, batch: int, new_tokens: int, seed: int) -> dict:
@@ -87,6 +88,26 @@ def _rollout_rows(engine, prompts, batch: int, new_tokens: int, seed: int) -> di
     warm = _timed_generate(engine, chosen, n, new_tokens, seed)
     row = _timed_generate(engine, chosen, n, new_tokens, seed + 1)
     return {"batch": row["rows"], "new_tokens": new_tokens, "first_seconds": round(warm["seconds"], 3), **row}
+
+
+def _profile_rollout(engine, prompts, batch: int, new_tokens: int, seed: int) -> dict:
+    """GPU kernels of one (already warm) rollout under torch.profiler: what a decode step is made of."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    n = max(1, batch // len(prompts))
+    chosen = prompts[:max(1, batch // n)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        row = _timed_generate(engine, chosen, n, new_tokens, seed)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    steps = max(1, new_tokens - 1)
+    return {"batch": row["rows"], "new_tokens": new_tokens, "decode_calls": row["decode_calls"],
+            "seconds_profiled": row["seconds"],
+            "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "gpu_us_per_step": sum(e.self_device_time_total for e in kernels) / steps,
+            "top": [{"name": e.key[:120], "count_per_step": round(e.count / steps, 2),
+                     "us_per_step": round(e.self_device_time_total / steps, 2)} for e in kernels[:40]]}
 
 
 def _grpo_step(trainer) -> dict:
@@ -143,18 +164,26 @@ def speed_worker(args, mode: str, size: str, on_part=None) -> dict:
     model, tokenizer, device = _build(args, fp4, size)
     prompts = random_prompts(tokenizer, args.prompts, args.prompt_len, args.seed)
     trainer = make_trainer(model, tokenizer, prompts, fp4=fp4, num_generations=args.group,
-                           completion_len=args.step_completion, micro_batch_size=args.micro_batch,
+                           completion_len=max(1, args.step_completion), micro_batch_size=args.micro_batch,
                            lora_r=args.lora_r, seed=args.seed)
     if args.cuda_graph == "off":  # eager decode steps (the engine's own fallback path), static cache kept
         trainer.engine.use_cuda_graph = False
+    if args.compile == "off":
+        trainer.engine.use_compile = False
     result = {"mode": mode, "size": size, "device": device, "decode_weight_bytes": decode_weight_bytes(model),
-              "cuda_graph": trainer.engine.use_cuda_graph, "rollout": [], "errors": {}}
+              "cuda_graph": trainer.engine.use_cuda_graph, "compile": trainer.engine.use_compile,
+              "rollout": [], "errors": {}}
     for batch in args.batches:
         _guard(result, f"rollout_b{batch}", lambda b=batch: result["rollout"].append(
             _rollout_rows(trainer.engine, prompts, b, args.new_tokens, args.seed)))
         on_part(result)
-    _guard(result, "grpo_step", lambda: result.__setitem__("grpo_step", _grpo_step(trainer)))
-    on_part(result)
+    if args.profile_tokens:
+        _guard(result, "profile", lambda: result.__setitem__("profile", _profile_rollout(
+            trainer.engine, prompts, args.batches[0], args.profile_tokens, args.seed + 2)))
+        on_part(result)
+    if args.step_completion:
+        _guard(result, "grpo_step", lambda: result.__setitem__("grpo_step", _grpo_step(trainer)))
+        on_part(result)
     trainer.engine.close()
     if args.hf_tokens:
         _guard(result, "hf_generate", lambda: result.__setitem__(

@@ -5,12 +5,13 @@
 
 One call = one batch of len(prompts) * n rows. Each prompt is prefilled once (left-padded batch) and its
 KV cache is repeated n times, then all rows decode together. On CPU the cache is a DynamicCache and rows
-that finished are dropped from the batch (less work as sequences end); on CUDA a StaticCache keeps shapes
-fixed so the decode step can be captured in a CUDA graph via torch.compile(mode="reduce-overhead").
+that finished are dropped from the batch (less work as sequences end). On CUDA a StaticCache keeps shapes
+fixed and one whole decode step - feed the last token, forward (torch.compile'd, so pointwise ops fuse), sample,
+record token / log-prob / EOS - runs on the GPU from preallocated buffers, captured once as a CUDA graph and
+replayed: the host launches one graph per token and reads back one flag every _SYNC_EVERY steps.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import warnings
 
@@ -21,7 +22,9 @@ from qerl.errors import QerlError
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
 from qerl.rollout.sampling import StopChecker, row_uniforms, sample_tokens
 
-_STATIC_BUCKET = 128  # static KV length is rounded up to this, bounding CUDA-graph recompilations
+_STATIC_BUCKET = 128  # static KV length is rounded up to this, bounding CUDA-graph recaptures
+_SYNC_EVERY = 16  # static decode checks "all rows finished" on the host every this many steps (no stop strings)
+_WARMUP_STEPS = 2  # eager steps (compilation, lazy allocations) before a decode step is captured
 
 
 class TorchEngine(RolloutEngine):
@@ -30,17 +33,20 @@ class TorchEngine(RolloutEngine):
     max_batch_size caps rows (prompts * n) decoded at once; prompts are split into groups to fit.
     cache: "dynamic" (grows; finished rows are dropped), "static" (preallocated; needed for CUDA graphs)
     or "auto" (static on CUDA, dynamic elsewhere). use_cuda_graph: True, False or "auto" (= on CUDA with
-    the static cache). eos_token_ids overrides the EOS set read from generation_config and tokenizer.
+    the static cache). compile: torch.compile the decode forward inside the graph (True, False, or "auto" = with
+    CUDA graphs). eos_token_ids overrides the EOS set read from generation_config and tokenizer.
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int | None = None, use_cuda_graph="auto",
-                 cache: str = "auto", eos_token_ids=None):
+                 cache: str = "auto", eos_token_ids=None, compile="auto"):
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise QerlError(f"TorchEngine.max_batch_size: expected None or an int >= 1, got {max_batch_size!r}")
         if cache not in ("auto", "dynamic", "static"):
             raise QerlError(f"TorchEngine.cache: expected 'auto', 'dynamic' or 'static', got {cache!r}")
         if use_cuda_graph not in (True, False, "auto"):
             raise QerlError(f"TorchEngine.use_cuda_graph: expected True, False or 'auto', got {use_cuda_graph!r}")
+        if compile not in (True, False, "auto"):
+            raise QerlError(f"TorchEngine.compile: expected True, False or 'auto', got {compile!r}")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size = max_batch_size
         self.device = next(model.parameters()).device
@@ -49,11 +55,13 @@ class TorchEngine(RolloutEngine):
         self.use_cuda_graph = on_cuda and self.cache_kind == "static" and use_cuda_graph in (True, "auto")
         if use_cuda_graph is True and not self.use_cuda_graph:
             raise QerlError("TorchEngine.use_cuda_graph=True needs the model on CUDA and cache='static'|'auto'")
+        self.use_compile = compile is True or (compile == "auto" and self.use_cuda_graph)
         self.eos_ids = sorted(_eos_ids(model, tokenizer) if eos_token_ids is None else set(eos_token_ids))
         self.pad_id = _pad_id(model, tokenizer, self.eos_ids)
-        self.stats = {"prefill_calls": 0, "prefill_rows": 0, "decode_calls": 0}
-        self._decode_fn, self._graph_calls = None, collections.Counter()
-        self._static = None  # (key, StaticCache) of the last call, reused while shapes match
+        self.stats = {"prefill_calls": 0, "prefill_rows": 0, "decode_calls": 0, "graph_captures": 0,
+                      "graph_replays": 0}
+        self._forward = None  # the (compiled) decode forward, built on first use
+        self._decoder = None  # the _StaticDecoder of the last call, reused while its key matches
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompt_ids, n: int = 1, sampling: SamplingParams | None = None) -> RolloutOutput:
@@ -72,7 +80,7 @@ class TorchEngine(RolloutEngine):
             finish_reasons=[r[2] for r in rows], stats=dict(self.stats))
 
     def close(self) -> None:
-        self._decode_fn, self._graph_calls, self._static = None, collections.Counter(), None
+        self._forward, self._decoder = None, None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -80,115 +88,240 @@ class TorchEngine(RolloutEngine):
     def _generate_group(self, prompts, n, sampling: SamplingParams, base_seed: int, first_row: int):
         """Prefill the group once, repeat each prompt's cache n times, decode all rows together."""
         ids, mask, pos = _left_pad(prompts, self.pad_id, self.device)
-        num_rows, prompt_len, max_new = len(prompts) * n, ids.shape[1], sampling.max_tokens
-        # Static caches get a bucketed length so CUDA graphs are reused across calls with other prompt widths
-        cache_len = prompt_len + max_new
-        cache_len = -(-cache_len // _STATIC_BUCKET) * _STATIC_BUCKET if self.use_cuda_graph else cache_len
-        logits, cache = self._prefill(ids, mask, pos, n, cache_len)
-        # One attention-mask buffer for the whole call: prompt part repeated per sample, then a column
-        # switched on per decoded token. Dynamic caches see a growing view, static ones the full width.
-        full_mask = torch.zeros(num_rows, cache_len, dtype=mask.dtype, device=self.device)
-        full_mask[:, :prompt_len] = mask.repeat_interleave(n, dim=0)
-        pos = pos[:, -1:].repeat_interleave(n, dim=0)
-        uniforms = None if sampling.greedy else row_uniforms(
-            base_seed, first_row, num_rows, max_new, self.device)
-        tokens = torch.full((num_rows, max_new), self.pad_id, dtype=torch.long, device=self.device)
-        logprobs = torch.zeros(num_rows, max_new, dtype=torch.float32, device=self.device)
-        lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=self.device)
-        stopped = torch.zeros(num_rows, dtype=torch.bool, device=self.device)
-        state = _DecodeState(rows=torch.arange(num_rows, device=self.device), logits=logits,
-                             cache=cache, mask=full_mask, pos=pos)
-        stop_check = StopChecker(self.tokenizer, sampling.stop, self.eos_ids, self.device)
-        finished = 0
-        for step in range(max_new):
-            u = None if uniforms is None else uniforms[state.rows, step]
-            tok, lp = sample_tokens(state.logits, sampling, u)
-            tok = tok.masked_fill(state.done, self.pad_id)  # only static caches keep finished rows
-            tokens[state.rows, step], logprobs[state.rows, step] = tok, lp
-            done = stop_check(tok, tokens, state.rows, step) & ~state.done
-            # no boolean indexing here: it would sync with the GPU; the count below is the one sync per step
-            lengths[state.rows] = torch.where(done, step + 1, lengths[state.rows])
-            stopped[state.rows] = stopped[state.rows] | done
-            newly = int(done.sum())
-            finished += newly
-            if finished == num_rows or step == max_new - 1:
-                break
-            self._decode_step(state, tok, done, newly, prompt_len + step)
-        return _to_rows(tokens, logprobs, lengths, stopped)
-
-    def _prefill(self, ids, mask, pos, n, max_len):
-        """Run each prompt once; return next-token logits and a cache holding every row's prompt."""
+        num_rows, max_new = len(prompts) * n, sampling.max_tokens
+        uniforms = None if sampling.greedy else row_uniforms(base_seed, first_row, num_rows, max_new, self.device)
         dynamic = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=dynamic,
                          use_cache=True, logits_to_keep=1)
         self.stats["prefill_calls"] += 1
         self.stats["prefill_rows"] += ids.shape[0]
         logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)
-        if self.cache_kind == "dynamic":
-            dynamic.batch_repeat_interleave(n)
-            return logits, dynamic
-        # Reuse the last static cache when shapes match: CUDA graphs are recorded against its addresses
-        key = (ids.shape[0] * n, max_len)
-        if self._static is None or self._static[0] != key:
-            self._static = (key, StaticCache(config=self.model.config, max_cache_len=max_len))
-        return logits, _static_from_dynamic(self._static[1], dynamic, n)
-
-    def _decode_step(self, state, tok, done, newly: int, cache_len: int):
-        """Feed the sampled tokens; rows that finished are dropped (dynamic) or fed padding (static)."""
+        mask, pos = mask.repeat_interleave(n, dim=0), pos[:, -1:].repeat_interleave(n, dim=0)
+        stop_check = StopChecker(self.tokenizer, sampling.stop, self.eos_ids, self.device)
         if self.cache_kind == "static":
-            state.done = state.done | done
-        elif newly:
-            keep = (~done).nonzero().squeeze(1)
-            state.cache.batch_select_indices(keep)
-            state.rows, state.mask, state.pos, tok = state.rows[keep], state.mask[keep], state.pos[keep], tok[keep]
-            state.done = state.done[keep]
-        state.mask[:, cache_len] = 1
-        state.pos = state.pos + 1
-        mask = state.mask if self.cache_kind == "static" else state.mask[:, :cache_len + 1]
-        state.logits = self._forward_decode(tok[:, None], mask, state.pos, state.cache)
-        self.stats["decode_calls"] += 1
+            return self._decode_static(dynamic, n, logits, mask, pos, uniforms, sampling, stop_check)
+        dynamic.batch_repeat_interleave(n)
+        return self._decode_dynamic(dynamic, logits, mask, pos, uniforms, sampling, stop_check)
 
-    def _forward_decode(self, tok, mask, pos, cache):
-        if self.use_cuda_graph:
-            return self._forward_graphed(tok, mask, pos, cache)
-        return _decode_forward(self.model, tok, mask, pos, cache)
+    def _decode_dynamic(self, cache, logits, mask, pos, uniforms, sampling, stop_check):
+        """Rows that finish leave the batch (their cache rows are dropped): less work as sequences end."""
+        num_rows, prompt_len, max_new = mask.shape[0], mask.shape[1], sampling.max_tokens
+        full_mask = torch.zeros(num_rows, prompt_len + max_new, dtype=mask.dtype, device=self.device)
+        full_mask[:, :prompt_len] = mask
+        tokens = torch.full((num_rows, max_new), self.pad_id, dtype=torch.long, device=self.device)
+        logprobs = torch.zeros(num_rows, max_new, dtype=torch.float32, device=self.device)
+        lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(num_rows, dtype=torch.bool, device=self.device)
+        rows = torch.arange(num_rows, device=self.device)
+        for step in range(max_new):
+            u = None if uniforms is None else uniforms[rows, step]
+            tok, lp = sample_tokens(logits, sampling, u)
+            tokens[rows, step], logprobs[rows, step] = tok, lp
+            done = stop_check(tok, tokens, rows, step)
+            lengths[rows] = torch.where(done, step + 1, lengths[rows])
+            stopped[rows] = done
+            if step == max_new - 1:
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero().squeeze(1)
+                if keep.numel() == 0:
+                    break
+                cache.batch_select_indices(keep)
+                rows, full_mask, pos, tok = rows[keep], full_mask[keep], pos[keep], tok[keep]
+            full_mask[:, prompt_len + step] = 1
+            pos = pos + 1
+            logits = _decode_forward(self.model, tok[:, None], full_mask[:, :prompt_len + step + 1], pos, cache)
+            self.stats["decode_calls"] += 1
+        return _to_rows(tokens, logprobs, lengths, stopped)
 
-    def _forward_graphed(self, tok, mask, pos, cache):
-        """The decode step through torch.compile(mode="reduce-overhead"), i.e. replayed as a CUDA graph.
+    def _decode_static(self, dynamic, n, logits, mask, pos, uniforms, sampling, stop_check):
+        """Fixed shapes: the whole step runs from the decoder's buffers (a CUDA-graph replay once captured)."""
+        num_rows, prompt_len, max_new = mask.shape[0], mask.shape[1], sampling.max_tokens
+        cache_len = prompt_len + max_new
+        if self.use_cuda_graph:  # bucketed: graphs are reused across calls with other prompt widths
+            cache_len = -(-cache_len // _STATIC_BUCKET) * _STATIC_BUCKET
+        key = (num_rows, cache_len, _sampling_key(sampling), _model_signature(self.model))
+        if self._decoder is None or self._decoder.key != key:
+            self._decoder = None  # free the previous cache and graph first
+            self._decoder = _StaticDecoder(self, key, num_rows, cache_len, sampling)
+        dec = self._decoder
+        dec.start(dynamic, n, logits, mask, pos, uniforms, max_new)
+        every = 1 if sampling.stop else _SYNC_EVERY
+        for step in range(1, max_new):  # step = index of the token sampled by this iteration
+            if sampling.stop:
+                dec.apply_stops(stop_check, step - 1)
+            if step % every == 0 and bool(dec.done.all()):
+                break
+            dec.advance()
+            self.stats["decode_calls"] += 1
+        else:
+            if sampling.stop:
+                dec.apply_stops(stop_check, max_new - 1)
+        return _to_rows(dec.tokens[:, :max_new], dec.logprobs[:, :max_new], dec.lengths, dec.done)
 
-        If compiling fails (a module dynamo cannot trace), rollouts go on eagerly: the cache write
-        counters are put back first so the eager step lands in the same slot.
-        """
-        if self._decode_fn is None:
-            self._decode_fn = torch.compile(_decode_forward, mode="reduce-overhead", dynamic=False)
-        # the graph's output buffer is reused by the next replay: keep a copy
-        if self._graph_calls[mask.shape] >= 3:  # compiled, warmed up and captured: no failure expected
-            return self._decode_fn(self.model, tok, mask, pos, cache).clone()
-        counters = [layer.cumulative_length.clone() for layer in cache.layers]
+    def _decode_forward_fn(self):
+        if self._forward is None:
+            self._forward = (torch.compile(_decode_forward, dynamic=False) if self.use_compile
+                             else _decode_forward)
+        return self._forward
+
+    def _fall_back(self, what: str, exc: Exception):
+        warnings.warn(f"TorchEngine: {what} failed ({type(exc).__name__}: {exc}); decoding without it from now on",
+                      RuntimeWarning, stacklevel=3)
+        if what == "torch.compile":
+            self.use_compile, self._forward = False, None
+        else:
+            self.use_cuda_graph = False
+
+
+class _StaticDecoder:
+    """Preallocated state of one static-shape decode: KV cache, mask, positions, sampled tokens, EOS flags.
+
+    `advance()` feeds the last sampled token, runs the forward, samples the next token with its uniform and
+    records token / log-prob / length / done, without any host synchronisation. On CUDA the step is warmed up
+    eagerly (_WARMUP_STEPS real steps), then captured as a CUDA graph and replayed for every later step and call
+    with the same key (rows, cache length, sampling knobs, model state): a call only refills the buffers.
+    """
+
+    def __init__(self, engine: TorchEngine, key, rows: int, cache_len: int, sampling: SamplingParams):
+        dev, model = engine.device, engine.model
+        self.engine, self.key, self.sampling = engine, key, sampling
+        self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        self.eos = torch.tensor(engine.eos_ids, dtype=torch.long, device=dev)
+        self.tok = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self.mask = torch.zeros(rows, cache_len, dtype=torch.bool, device=dev)
+        self.col = torch.zeros(1, dtype=torch.long, device=dev)  # cache slot of the token fed next
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)  # completion index of the token sampled next
+        self.tokens = torch.full((rows, cache_len), engine.pad_id, dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros(rows, cache_len, dtype=torch.float32, device=dev)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.uniforms = torch.zeros(rows, cache_len, dtype=torch.float32, device=dev)
+        self.additive = _attention_mask_kind(model) == "additive"
+        self.mask_dtype = next(model.parameters()).dtype
+        self.graph, self.eager_steps = None, 0
+
+    def start(self, dynamic, n, logits, mask, pos, uniforms, max_new: int):
+        """Load a prefilled group (prompt cache repeated n times) and sample its first token."""
+        prompt_len = mask.shape[1]
+        _static_from_dynamic(self.cache, dynamic, n)
+        self.mask.zero_()
+        self.mask[:, :prompt_len] = mask.bool()
+        self.pos.copy_(pos)
+        self.col.fill_(prompt_len)
+        self.step.zero_()
+        self.tokens.fill_(self.engine.pad_id)
+        self.logprobs.zero_()
+        self.lengths.fill_(max_new)
+        self.done.zero_()
+        if uniforms is not None:
+            self.uniforms[:, :max_new] = uniforms
+        self._record(logits)
+
+    def _record(self, logits):
+        idx = self.step
+        u = None if self.sampling.greedy else self.uniforms.index_select(1, idx).squeeze(1)
+        tok, lp = sample_tokens(logits, self.sampling, u)
+        tok = tok.masked_fill(self.done, self.engine.pad_id)
+        self.tokens.index_copy_(1, idx, tok[:, None])
+        self.logprobs.index_copy_(1, idx, lp[:, None])
+        newly = torch.isin(tok, self.eos) & ~self.done
+        self.lengths.copy_(torch.where(newly, idx + 1, self.lengths))
+        self.done.logical_or_(newly)
+        self.tok.copy_(tok[:, None])
+        self.step.add_(1)
+
+    def _body(self):
+        self.mask.index_fill_(1, self.col, True)
+        self.pos.add_(1)
+        mask = self.mask[:, None, None, :]
+        if self.additive:
+            mask = torch.zeros(mask.shape, dtype=self.mask_dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(self.mask_dtype).min)
+        forward = self.engine._decode_forward_fn()
+        self._record(forward(self.engine.model, self.tok, mask, self.pos, self.cache))
+        self.col.add_(1)
+
+    def apply_stops(self, stop_check: StopChecker, step: int):
+        """Host-side stop-string check of token `step` (one sync); rows that stop are marked done."""
+        rows = torch.arange(self.tokens.shape[0], device=self.tokens.device)
+        hit = stop_check(self.tokens[:, step], self.tokens, rows, step) & ~self.done
+        self.lengths.copy_(torch.where(hit, step + 1, self.lengths))
+        self.done.logical_or_(hit)
+
+    def advance(self):
+        engine = self.engine
+        if self.graph is not None:
+            self.graph.replay()
+            engine.stats["graph_replays"] += 1
+            return
+        if not engine.use_cuda_graph or self.eager_steps < _WARMUP_STEPS:
+            self._eager_step()
+            return
+        counters = [layer.cumulative_length.clone() for layer in self.cache.layers]
         try:
-            logits = self._decode_fn(self.model, tok, mask, pos, cache).clone()
-            self._graph_calls[mask.shape] += 1
-            return logits
-        except Exception as exc:  # noqa: BLE001 - any compile/capture failure falls back to eager
-            warnings.warn(f"TorchEngine: CUDA-graph decode failed ({type(exc).__name__}: {exc}); "
-                          "decoding eagerly from now on", RuntimeWarning, stacklevel=2)
-            self.use_cuda_graph, self._decode_fn = False, None
-            for layer, count in zip(cache.layers, counters):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # its own memory pool, released with the decoder
+                self._body()
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager steps
+            engine._fall_back("CUDA-graph capture", exc)
+            for layer, count in zip(self.cache.layers, counters):  # nothing ran, but be safe
                 layer.cumulative_length.copy_(count)
-            return _decode_forward(self.model, tok, mask, pos, cache)
+            self._eager_step()
+            return
+        self.graph = graph
+        engine.stats["graph_captures"] += 1
+        graph.replay()  # capturing records the step without running it
+        engine.stats["graph_replays"] += 1
 
-
-class _DecodeState:
-    """The batch being decoded: which output rows it holds, its cache, mask, positions and last logits."""
-
-    def __init__(self, rows, logits, cache, mask, pos):
-        self.rows, self.logits, self.cache, self.mask, self.pos = rows, logits, cache, mask, pos
-        self.done = torch.zeros_like(rows, dtype=torch.bool)  # stays all False for dynamic caches
+    def _eager_step(self):
+        """One step eagerly (on CUDA on a side stream, as graph warm-up wants); a compile failure falls back."""
+        self.eager_steps += 1
+        side = torch.cuda.Stream() if self.engine.device.type == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            counters = [layer.cumulative_length.clone() for layer in self.cache.layers]
+            state = [t.clone() for t in (self.mask, self.pos, self.col)]
+            try:
+                self._body()
+            except Exception as exc:  # noqa: BLE001
+                if not self.engine.use_compile:
+                    raise
+                self.engine._fall_back("torch.compile", exc)
+                for layer, count in zip(self.cache.layers, counters):
+                    layer.cumulative_length.copy_(count)
+                for t, saved in zip((self.mask, self.pos, self.col), state):
+                    t.copy_(saved)
+                self._body()
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
 
 
 def _decode_forward(model, tok, mask, pos, cache):
     out = model(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
     return out.logits[:, -1].float()
+
+
+def _attention_mask_kind(model) -> str:
+    """How a prepared 4D mask is read: sdpa (and flex/flash fallbacks) take bool, eager adds a float mask."""
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    return "additive" if impl == "eager" else "bool"
+
+
+def _sampling_key(sampling: SamplingParams) -> tuple:
+    """The sampling knobs a captured step bakes in (seeds and max_tokens live in buffers)."""
+    return (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+def _model_signature(model) -> tuple:
+    """What a captured step depends on beyond tensor contents: parameter storage and peft adapter switches."""
+    ptrs = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+    switches = tuple((bool(getattr(m, "disable_adapters", False)), bool(getattr(m, "merged", False)),
+                      tuple(getattr(m, "active_adapters", ())))
+                     for m in model.modules() if hasattr(m, "active_adapters") and hasattr(m, "lora_A"))
+    return hash(ptrs), hash(switches), model.training
 
 
 def _left_pad(prompts, pad_id: int, device):

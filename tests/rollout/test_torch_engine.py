@@ -77,10 +77,12 @@ def test_each_prompt_prefilled_once_then_one_token_steps(model_and_tok, prompts)
     assert len(shapes) == 5 and out.stats["prefill_rows"] == len(prompts)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("knobs", [dict(temperature=1.0), dict(temperature=0.7, top_k=50, top_p=0.9)])
-def test_sampled_logprobs_equal_full_forward_recomputation(model_and_tok, prompts, knobs):
+def test_sampled_logprobs_equal_full_forward_recomputation(model_and_tok, prompts, knobs, cache):
     model, tok = model_and_tok
-    out = TorchEngine(model, tok).generate(prompts, n=2, sampling=SamplingParams(max_tokens=10, seed=3, **knobs))
+    out = TorchEngine(model, tok, cache=cache).generate(prompts, n=2,
+                                                        sampling=SamplingParams(max_tokens=10, seed=3, **knobs))
     diffs = [
         (torch.tensor(out.logprobs[r], dtype=torch.float64)
          - full_forward_logprobs(model, p, c, knobs["temperature"])).abs()
@@ -88,6 +90,22 @@ def test_sampled_logprobs_equal_full_forward_recomputation(model_and_tok, prompt
     ]
     assert torch.cat(diffs).mean() < 1e-4
     assert len({tuple(c) for c in out.completion_ids}) > 1  # samples differ
+
+
+def test_static_and_dynamic_caches_sample_the_same_rows(model_and_tok, prompts):
+    """Same seeds, same draws: the static decoder (fixed shapes, on-device bookkeeping) equals the dynamic one,
+    also when rows end early on an EOS id and when the call runs past the host-check interval."""
+    model, tok = model_and_tok
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=11)
+    free = TorchEngine(model, tok, cache="dynamic", eos_token_ids=()).generate(prompts, 3, params)
+    eos = free.completion_ids[0][2]  # a token some row samples early
+    runs = [TorchEngine(model, tok, cache=c, eos_token_ids=[eos]).generate(prompts, 3, params)
+            for c in ("dynamic", "static")]
+    assert runs[0].completion_ids == runs[1].completion_ids
+    assert runs[0].finish_reasons == runs[1].finish_reasons and "stop" in runs[0].finish_reasons
+    assert max(map(len, runs[1].completion_ids)) > 16 or "length" not in runs[1].finish_reasons
+    for a, b in zip(runs[0].logprobs, runs[1].logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
 
 
 def test_top_k_one_is_greedy(model_and_tok, prompts):
@@ -98,9 +116,10 @@ def test_top_k_one_is_greedy(model_and_tok, prompts):
     assert top1.completion_ids == greedy.completion_ids
 
 
-def test_seeds_reproducible_and_per_sequence(model_and_tok, prompts):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_seeds_reproducible_and_per_sequence(model_and_tok, prompts, cache):
     model, tok = model_and_tok
-    engine = TorchEngine(model, tok)
+    engine = TorchEngine(model, tok, cache=cache)
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=7)
     a = engine.generate(prompts, 2, params)
     b = engine.generate(prompts, 2, params)
@@ -108,7 +127,7 @@ def test_seeds_reproducible_and_per_sequence(model_and_tok, prompts):
     assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
     assert a.completion_ids != other.completion_ids
     # a row's draws depend on (seed, row) only: the same rows come back when the batch is split
-    split = TorchEngine(model, tok, max_batch_size=2).generate(prompts, 2, params)
+    split = TorchEngine(model, tok, max_batch_size=2, cache=cache).generate(prompts, 2, params)
     assert split.completion_ids == a.completion_ids
 
 
@@ -126,9 +145,10 @@ def test_eos_stops_rows_independently(model_and_tok, prompts):
         assert out.finish_reasons[0] == "stop" and len(out.completion_ids[0]) <= 4
 
 
-def test_stop_strings_and_max_tokens(model_and_tok, prompts):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_stop_strings_and_max_tokens(model_and_tok, prompts, cache):
     model, tok = model_and_tok
-    engine = TorchEngine(model, tok, eos_token_ids=())
+    engine = TorchEngine(model, tok, eos_token_ids=(), cache=cache)
     ref = engine.generate(prompts, 1, SamplingParams(temperature=0, max_tokens=12)).completion_ids
     text = tok.decode(ref[1][4:6])
     stop = text.strip()[:3] or text[:3]
@@ -229,6 +249,8 @@ def test_cuda_graph_decode_matches_generate(tmp_path, tokenizer_dir, prompts):
     for batch in (prompts, prompts[:2], prompts):  # second call: other width and rows, same cache bucket
         out = engine.generate(batch, 2, greedy)
         assert out.completion_ids == [r for r in hf_greedy(model, tok, batch, 12) for _ in range(2)]
+    assert engine.use_cuda_graph and out.stats["graph_captures"] == 3  # one per (rows, bucket) switch
+    assert out.stats["graph_replays"] >= 3 * (12 - 1 - 2)  # every step after the warm-up ones is a replay
     out = engine.generate(prompts, 2, SamplingParams(temperature=1.0, max_tokens=12, seed=0))
     diffs = [(torch.tensor(out.logprobs[r], dtype=torch.float64) - full_forward_logprobs(model, p, c, 1.0)).abs()
              for r, (p, c) in enumerate(zip(out.prompt_ids, out.completion_ids))]
@@ -266,8 +288,8 @@ def test_cuda_graph_runs_fp4_lora_model(tmp_path, tokenizer_dir, prompts):
         graphed = [engine.generate(prompts, 2, greedy) for _ in range(2)]
     # with or without the graph (a failed capture falls back to eager), the tokens are eager's
     assert graphed[0].completion_ids == eager.completion_ids == graphed[1].completion_ids
-    if not engine.use_cuda_graph:
-        pytest.xfail(f"decode fell back to eager: {caught[0].message if caught else '?'}")
+    assert engine.use_cuda_graph, f"decode fell back to eager: {caught[0].message if caught else '?'}"
+    assert graphed[1].stats["graph_captures"] == 1 and graphed[1].stats["graph_replays"] > 0
 
 
 def test_bench_writes_json_with_equal_work_per_engine(tiny_model_dir, tmp_path):
