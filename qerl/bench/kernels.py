@@ -2,7 +2,6 @@
 
     python -m qerl.bench.kernels --out results/bench/kernels.json [--models 7B,14B,32B] [--rows 1,16,64,256,2048]
     python -m qerl.bench.kernels --sweep --out results/bench/kernel_sweep.json   # tile configs on the 7B shapes
-    python -m qerl.bench.kernels --sweep --only swap --models 7B --rows 1,8,16,64 --out ...  # swapped decode kernel
 
 One run measures the device's own ceilings first (a large device-to-device copy; an 8192^3 bf16 matmul), then for
 every Linear shape and row count M: bf16 `torch.matmul`, the naive path (dequantize_nvfp4 to bf16, then matmul),
@@ -223,129 +222,86 @@ SWEEP_BWD = {  # bn = reduction step over N, bk = output tile along K
 }
 
 
-# The swapped decode kernel (M <= 64, bm = x rows per tile = max(16, next power of 2 >= M)): (bn, bk, warps, stages),
-# each with and without deint, split-K from _pick_split and twice that. Kept short: every config compiles once per
-# shape and M, which is most of the sweep's time.
-SWEEP_SWAP = [(64, 128, 4, 4), (64, 256, 4, 3), (64, 512, 4, 3), (128, 256, 4, 3), (128, 256, 8, 4)]
-
-
 def _bucket(m: int) -> int:
     return next(b for b in sorted(SWEEP_FWD) if m <= b) if m <= max(SWEEP_FWD) else max(SWEEP_FWD)
 
 
-def _candidates(tf, kind, m, n, k, only: str = "all"):
-    """(label, kwargs) of every config to try for one shape; only="swap": the default config and the swapped
-    kernel's (forward, M <= 64)."""
+def _candidates(tf, kind, m, n, k):
+    """(label, kwargs) of every config to try for one shape."""
     dev = torch.device("cuda")
-    if only == "swap":
-        yield "default", {}
-    else:
-        for cand in (SWEEP_FWD if kind == "fwd" else SWEEP_BWD)[_bucket(m)]:
-            if cand == "dense":
-                yield "dense", {"path": "dense"}
-                continue
-            bm, bn, bk, warps, stages, maxnreg = cand
-            tiles = math.ceil(m / bm) * (math.ceil(n / bn) if kind == "fwd" else k // bk)
-            k_tiles = math.ceil(k / bk) if kind == "fwd" else math.ceil(n / bn)
-            splits = {1} if m > 64 else {1, tf._pick_split(tiles, k_tiles, dev, waves=2),
-                                         tf._pick_split(tiles, k_tiles, dev, waves=6)}
-            for sp in sorted(splits):
-                cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages, 8, maxnreg)
-                yield str(list(cfg)[:6] + ([maxnreg] if maxnreg else [])), {"config": cfg}
-    if kind != "fwd" or m > 64:
-        return
-    bm = max(16, 1 << (m - 1).bit_length())  # one x tile
-    for bn, bk, warps, stages in SWEEP_SWAP:
-        k_tiles = math.ceil(k / bk)
-        split = tf._pick_split(math.ceil(n / bn), k_tiles, dev)
-        for sp in sorted({split, min(2 * split, k_tiles)}):
-            for deint in (False, True):
-                cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages, swap=True, deint=deint)
-                yield f"swap{'-deint' if deint else ''} {list(cfg)[:6]}", {"config": cfg}
+    for cand in (SWEEP_FWD if kind == "fwd" else SWEEP_BWD)[_bucket(m)]:
+        if cand == "dense":
+            yield "dense", {"path": "dense"}
+            continue
+        bm, bn, bk, warps, stages, maxnreg = cand
+        tiles = math.ceil(m / bm) * (math.ceil(n / bn) if kind == "fwd" else k // bk)
+        k_tiles = math.ceil(k / bk) if kind == "fwd" else math.ceil(n / bn)
+        splits = {1} if m > 64 else {1, tf._pick_split(tiles, k_tiles, dev, waves=2),
+                                     tf._pick_split(tiles, k_tiles, dev, waves=6)}
+        for sp in sorted(splits):
+            cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages, 8, maxnreg)
+            yield str(list(cfg)[:6] + ([maxnreg] if maxnreg else [])), {"config": cfg}
 
 
 def _try_config(kind, label, n, k, m, ref, call, copies) -> dict:
-    """Relative error vs the float64 reference and time of one config; a config that fails is recorded."""
+    """Error vs the default output and time of one config; a config that fails to build is recorded."""
     row = {"kind": kind, "N": n, "K": k, "M": m, "config": label}
     try:
-        out = call(0).double()
-        row["err"] = ((out - ref).norm() / ref.norm()).item()
-        row["ok"] = bool(out.isfinite().all()) and row["err"] < 5e-3
+        row["err"] = ((call(0).float() - ref).norm() / ref.norm()).item()
         row["us"] = graph_time_us(call, copies)
     except Exception as exc:  # e.g. shared memory overflow of a large tile
-        row.update(us=float("inf"), err=float("nan"), ok=False, error=str(exc).splitlines()[0][:200])
+        row.update(us=float("inf"), err=float("nan"), error=str(exc).splitlines()[0][:200])
     return row
 
 
-def _sweep_one(tf, n, k, m, fp4, w64, x, g, kinds, only) -> list[dict]:
-    nb = _copies(2 * n * k)
-    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
-    out = [{"kind": "bf16", "N": n, "K": k, "M": m, "config": "torch.matmul", "err": 0.0, "ok": True,
-            "us": graph_time_us(lambda i: torch.matmul(x, wb[i].T), nb)}]
-    del wb
-    if "fwd" in kinds:
-        ref = x.double() @ w64.T
-        for label, kw in _candidates(tf, "fwd", m, n, k, only):
-            out.append(_try_config("fwd", label, n, k, m, ref, lambda i, kw=kw: tf.fp4_matmul_triton(
-                x, *fp4[i], **kw), len(fp4)))
-    if "bwd" in kinds and only != "swap":
-        ref_t = g.double() @ w64
-        for label, kw in _candidates(tf, "bwd", m, n, k):
-            out.append(_try_config("bwd", label, n, k, m, ref_t, lambda i, kw=kw: tf.fp4_matmul_t_triton(
-                g, *fp4[i], **kw), len(fp4)))
+def _sweep_one(tf, n, k, m, fp4, x, g) -> list[dict]:
+    out = []
+    ref = tf.fp4_matmul_triton(x, *fp4[0]).float()
+    ref_t = tf.fp4_matmul_t_triton(g, *fp4[0]).float()
+    for label, kw in _candidates(tf, "fwd", m, n, k):
+        out.append(_try_config("fwd", label, n, k, m, ref, lambda i, kw=kw: tf.fp4_matmul_triton(
+            x, *fp4[i], **kw), len(fp4)))
+    for label, kw in _candidates(tf, "bwd", m, n, k):
+        out.append(_try_config("bwd", label, n, k, m, ref_t, lambda i, kw=kw: tf.fp4_matmul_t_triton(
+            g, *fp4[i], **kw), len(fp4)))
     return out
 
 
-def sweep(rows_m: list[int], models: list[str], kinds: list[str], only: str = "all") -> list[dict]:
-    """Time every candidate config on the models' shapes, each checked against a float64 reference; prints the
-    best correct one per (kind, shape, M) next to bf16 torch.matmul."""
+def sweep(rows_m: list[int]) -> list[dict]:
+    """Time every candidate config on the 7B shapes; prints the best per (kind, shape, M)."""
     from qerl.quant import triton_fp4 as tf
 
     results = []
-    for model in models:
-        for seed, (layer, n, k, _) in enumerate(QWEN_LINEARS[model]):
-            fp4 = _fp4_weights(n, k, _copies(n * k // 2 + n * k // 16), seed)
-            w64 = dequantize_nvfp4(*fp4[0], dtype=torch.float64)
-            for m in rows_m:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-                res = _sweep_one(tf, n, k, m, fp4, w64, x, g, kinds, only)
-                bf16_us = res[0]["us"]
-                for kind in ("fwd", "bwd"):
-                    rows = [r for r in res if r["kind"] == kind]
-                    good = [r for r in rows if r["ok"]]
-                    if not rows:
-                        continue
-                    best = (f"best {min(good, key=lambda r: r['us'])['config']} "
-                            f"{min(r['us'] for r in good):.1f} us" if good else "no correct config")
-                    bf16 = f"bf16 {bf16_us:.1f} us, " if kind == "fwd" else ""
-                    print(f"sweep {kind} {model} {layer} {n}x{k} M={m}: {bf16}{best}; all "
-                          + ", ".join(f"{r['config']}={r['us']:.1f}{'' if r['ok'] else '!'}" for r in rows),
-                          flush=True)
-                results += res
-            del fp4, w64
+    for seed, (layer, n, k, _) in enumerate(QWEN_LINEARS["7B"]):
+        fp4 = _fp4_weights(n, k, _copies(n * k // 2 + n * k // 16), seed)
+        for m in rows_m:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            res = _sweep_one(tf, n, k, m, fp4, x, g)
+            for kind in ("fwd", "bwd"):
+                best = min((r for r in res if r["kind"] == kind), key=lambda r: r["us"])
+                print(f"sweep {kind} {layer} {n}x{k} M={m}: best {best['config']} {best['us']:.1f} us; all "
+                      + ", ".join(f"{r['config']}={r['us']:.1f}{'' if r['err'] <= 1e-2 else '!'}"
+                                  for r in res if r["kind"] == kind), flush=True)
+            results += res
     return results
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("results/bench/kernels.json"))
-    p.add_argument("--models", help="comma-separated (default: 7B,14B,32B; 7B with --sweep)")
+    p.add_argument("--models", default="7B,14B,32B")
     p.add_argument("--rows", default="1,16,64,256,2048")
     p.add_argument("--no-naive", action="store_true", help="skip the (slow) dequantize-then-matmul baseline")
-    p.add_argument("--sweep", action="store_true", help="time candidate tile configs instead")
-    p.add_argument("--kinds", default="fwd,bwd", help="--sweep: which kernels (fwd, bwd)")
-    p.add_argument("--only", choices=("all", "swap"), default="all",
-                   help="--sweep: 'swap' = the default forward config and the swapped decode kernel's only")
+    p.add_argument("--sweep", action="store_true", help="time candidate tile configs instead (qerl.bench.sweep)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl.bench.kernels needs a CUDA GPU")
     rows_m = [int(v) for v in a.rows.split(",")]
     if a.sweep:
-        result = {**_environment(), "sweep": sweep(rows_m, (a.models or "7B").split(","), a.kinds.split(","),
-                                                   a.only)}
+        result = {**_environment(), "sweep": sweep(rows_m)}
     else:
-        result = run((a.models or "7B,14B,32B").split(","), rows_m, naive=not a.no_naive)
+        result = run(a.models.split(","), rows_m, naive=not a.no_naive)
         print(markdown(result))
         result["markdown"] = markdown(result)
     write_json(a.out, result)

@@ -67,37 +67,25 @@ fma.rn.bf16x2 $3, t3, s23, nz;
 
 
 @triton.jit
-def _e2m1_f32(c):
-    """4-bit E2M1 codes (int32) -> fp32 values."""
-    mag = c & 7
-    # magnitudes >= 1 are normal: exponent/mantissa bits shifted into fp32 with the bias moved by 126
-    normal = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)
-    v = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
-    return tl.where((c & 8) != 0, -v, v)
-
-
-@triton.jit
-def _dequant_halves(p, s, BR: tl.constexpr, BC: tl.constexpr, USE_ASM: tl.constexpr):
-    """Packed bytes p (BR, BC/2) uint8 + bf16 group scales s (BR, BC/16) -> (lo, hi), each (BR, BC/2) bf16
-    (exact): lo[:, j] = column 2j (low nibble of byte j), hi[:, j] = column 2j + 1."""
-    s2 = tl.reshape(tl.broadcast_to(tl.expand_dims(s, 2), (BR, BC // 16, 8)), (BR, BC // 2))
+def _dequant_tile(p, s, BR: tl.constexpr, BC: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed bytes p (BR, BC/2) uint8 + bf16 group scales s (BR, BC/16) -> e2m1 * scale (BR, BC) bf16 (exact)."""
     if USE_ASM:
+        s2 = tl.reshape(tl.broadcast_to(tl.expand_dims(s, 2), (BR, BC // 16, 8)), (BR, BC // 2))
         lo, hi = tl.inline_asm_elementwise(
             _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [p, s2],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        return lo, hi
+        return tl.reshape(tl.join(lo, hi), (BR, BC))
     else:
-        s2 = s2.to(tl.float32)
-        lo = _e2m1_f32((p & 0xF).to(tl.int32)) * s2
-        hi = _e2m1_f32((p >> 4).to(tl.int32)) * s2
-        return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
-
-
-@triton.jit
-def _dequant_tile(p, s, BR: tl.constexpr, BC: tl.constexpr, USE_ASM: tl.constexpr):
-    """Packed bytes p (BR, BC/2) uint8 + bf16 group scales s (BR, BC/16) -> e2m1 * scale (BR, BC) bf16 (exact)."""
-    lo, hi = _dequant_halves(p, s, BR, BC, USE_ASM)
-    return tl.reshape(tl.join(lo, hi), (BR, BC))
+        lo = (p & 0xF).to(tl.int32)
+        hi = (p >> 4).to(tl.int32)
+        c = tl.reshape(tl.join(lo, hi), (BR, BC))
+        mag = c & 7
+        # magnitudes >= 1 are normal: exponent/mantissa bits shifted into fp32 with the bias moved by 126
+        normal = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+        v = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
+        v = tl.where((c & 8) != 0, -v, v)
+        v = tl.reshape(v, (BR, BC // 16, 16)) * tl.expand_dims(s.to(tl.float32), 2)
+        return tl.reshape(v, (BR, BC)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -149,38 +137,27 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _add_bias(acc, b_ptr, offs_r, offs_c, R, C, BIAS_ROWS: tl.constexpr):
-    """acc + bias along the tile's rows (BIAS_ROWS) or columns."""
-    if BIAS_ROWS:
-        return acc + tl.load(b_ptr + offs_r, mask=offs_r < R, other=0).to(tl.float32)[:, None]
-    else:
-        return acc + tl.load(b_ptr + offs_c, mask=offs_c < C, other=0).to(tl.float32)[None, :]
-
-
-@triton.jit
-def _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_r, offs_c, R, C, sor, soc,
-                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                 BIAS_ROWS: tl.constexpr):
-    """Store a (BR, BC) fp32 tile at out[offs_r * sor + offs_c * soc]; with SPLIT > 1 the last of the SPLIT
-    programs of `tile` adds up the partials. A transposed tile is stored by passing the output's strides swapped."""
-    mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
-    out_ptrs = out_ptr + offs_r[:, None].to(tl.int64) * sor + offs_c[None, :] * soc
+def _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Store a (BM, BN) fp32 tile; with SPLIT > 1 the last of the SPLIT programs of `tile` adds up the partials."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * som + offs_n[None, :] * son
     if SPLIT == 1:
         if HAS_BIAS:
-            acc = _add_bias(acc, b_ptr, offs_r, offs_c, R, C, BIAS_ROWS)
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tile_off = tl.arange(0, BR)[:, None] * BC + tl.arange(0, BC)[None, :]
-        base = part_ptr + tile.to(tl.int64) * (SPLIT * BR * BC)
-        tl.store(base + tl.program_id(1) * (BR * BC) + tile_off, acc, cache_modifier=".cg")
+        tile_off = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        base = part_ptr + tile.to(tl.int64) * (SPLIT * BM * BN)
+        tl.store(base + tl.program_id(1) * (BM * BN) + tile_off, acc, cache_modifier=".cg")
         tl.debug_barrier()  # every thread's partial is written before the release below
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            total = tl.zeros((BR, BC), dtype=tl.float32)
+            total = tl.zeros((BM, BN), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
-                total += tl.load(base + s * (BR * BC) + tile_off, cache_modifier=".cg")
+                total += tl.load(base + s * (BM * BN) + tile_off, cache_modifier=".cg")
             if HAS_BIAS:
-                total = _add_bias(total, b_ptr, offs_r, offs_c, R, C, BIAS_ROWS)
+                total += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # re-arm for the next launch
 
@@ -212,48 +189,7 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
         acc = tl.dot(a, tl.trans(w), acc)
     acc = acc * (1.0 / tl.load(gs_ptr))
     _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
-                 HAS_BIAS, SPLIT, BM, BN, False)
-
-
-@triton.jit
-def _fp4_mv_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
-                   M, N, K, sxm, sxk, som, son, swn, ssn,
-                   HAS_BIAS: tl.constexpr, BMX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr,
-                   EVEN_M: tl.constexpr, DEINT: tl.constexpr):
-    """The same product, swapped for decode: acc (BN, BMX) = deq(W) tile @ x tile.T, so the weight tile is the
-    MMA's M side (wgmma from registers on Hopper with BN >= 64) and the few rows of x its N side (BMX >= 16).
-
-    DEINT: low and high nibbles stay two (BN, BK/2) tiles (no interleave) and meet the even and odd columns of x."""
-    tile, pid_m, pid_n = _tile_ids(M, N, BMX, BN, GROUP_M)
-    offs_m = pid_m * BMX + tl.arange(0, BMX)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    rn = offs_n % N  # wrapped weight rows load real data; only the store is masked
-    k_tiles = tl.cdiv(K, BK)
-    per_split = tl.cdiv(k_tiles, SPLIT)
-    kt0 = tl.program_id(1) * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
-    offs_k = tl.arange(0, BK)
-    acc = tl.zeros((BN, BMX), dtype=tl.float32)
-    for kt in range(kt0, kt1):
-        a = _load_rows(x_ptr, offs_m, kt * BK + offs_k, M, K, sxm, sxk, EVEN_M, EVEN_K)
-        p, s = _load_weight_tile(wp_ptr, ws_ptr, rn, kt, rn < N, K, swn, ssn, BK, EVEN_K)
-        if DEINT:
-            lo, hi = _dequant_halves(p, s, BN, BK, USE_ASM)
-            xe, xo = tl.split(tl.reshape(a, (BMX, BK // 2, 2)))
-            if a.dtype != tl.bfloat16:
-                lo = lo.to(a.dtype)
-                hi = hi.to(a.dtype)
-            acc = tl.dot(lo, tl.trans(xe), acc)
-            acc = tl.dot(hi, tl.trans(xo), acc)
-        else:
-            w = _dequant_tile(p, s, BN, BK, USE_ASM)
-            if a.dtype != tl.bfloat16:
-                w = w.to(a.dtype)
-            acc = tl.dot(w, tl.trans(a), acc)
-    acc = acc * (1.0 / tl.load(gs_ptr))
-    _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_n, offs_m, N, M, son, som,
-                 HAS_BIAS, SPLIT, BN, BMX, True)
+                 HAS_BIAS, SPLIT, BM, BN)
 
 
 @triton.jit
@@ -285,14 +221,11 @@ def _fp4_mm_t_kernel(g_ptr, wp_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
         acc = tl.dot(a, w, acc)
     acc = acc * (1.0 / tl.load(gs_ptr))
     _finish_tile(acc, out_ptr, out_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_k, M, K, som, sok,
-                 False, SPLIT, BM, BK, False)
+                 False, SPLIT, BM, BK)
 
 
 class KernelConfig(NamedTuple):
-    """Tile shape and launch knobs of one kernel call (bm rows of x, bn/bk as named by each kernel).
-
-    swap (forward only): `_fp4_mv_kernel`, the weight on the MMA's M side, bm (>= 16) rows of x on its N side;
-    deint (with swap): no nibble interleave, even/odd columns of x instead."""
+    """Tile shape and launch knobs of one kernel call (bm rows of x, bn/bk as named by each kernel)."""
     bm: int
     bn: int
     bk: int
@@ -301,8 +234,6 @@ class KernelConfig(NamedTuple):
     stages: int = 3
     group_m: int = 8
     maxnreg: int | None = None  # register cap per thread: more programs per SM, at the risk of spills
-    swap: bool = False
-    deint: bool = False
 
 
 def _target_programs(device: torch.device) -> int:
@@ -405,10 +336,6 @@ def _use_dense(path: str, m: int, config, k_ok: bool = True) -> bool:
         raise QerlError(f"path: expected 'auto', 'fused' or 'dense', got {path!r}")
     if config is not None and config.bk < 64:
         raise QerlError(f"config.bk: {config.bk} < 64 is not supported (wrong results seen with Triton 3.6)")
-    if config is not None and config.deint and not config.swap:
-        raise QerlError("config.deint: needs config.swap")
-    if config is not None and config.swap and config.bm < 16:
-        raise QerlError(f"config.bm: {config.bm} < 16 with swap (the MMA's N side is at least 16)")
     return path == "dense" or (path == "auto" and config is None and (m >= DENSE_MIN_ROWS or not k_ok))
 
 
@@ -437,15 +364,12 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
     ws = weight_scale.contiguous().view(torch.uint8)
     gs = weight_global_scale.reshape(1).to(torch.float32)
     b = bias.contiguous() if bias is not None else out
-    args = (x2, wp, ws, gs, b, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
-            wp.stride(0), ws.stride(0))
-    knobs = dict(HAS_BIAS=bias is not None, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
-                 USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, num_warps=cfg.warps,
-                 num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
-    if cfg.swap:
-        _fp4_mv_kernel[(tiles, cfg.split)](*args, BMX=cfg.bm, DEINT=cfg.deint, **knobs)
-    else:
-        _fp4_mm_kernel[(tiles, cfg.split)](*args, BM=cfg.bm, **knobs)
+    _fp4_mm_kernel[(tiles, cfg.split)](
+        x2, wp, ws, gs, b, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
+        wp.stride(0), ws.stride(0),
+        HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
+        USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, num_warps=cfg.warps, num_stages=cfg.stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.reshape(*lead, n)
 
 
@@ -466,8 +390,6 @@ def fp4_matmul_t_triton(g, weight_packed, weight_scale, weight_global_scale, *,
         return dense_fp4_matmul_t(g2, weight_packed, weight_scale, weight_global_scale, out,
                                   use_asm).reshape(*lead, k)
     cfg = config or backward_config(m, n, k, g.device)
-    if cfg.swap:
-        raise QerlError("config.swap: the swapped kernel is forward only")
     if k % cfg.bk:
         raise QerlError(f"weight_packed: in_features {k} must be a multiple of the tile {cfg.bk}")
     tiles = triton.cdiv(m, cfg.bm) * (k // cfg.bk)

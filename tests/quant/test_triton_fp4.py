@@ -59,43 +59,6 @@ def test_forward_and_grad_input_match_float64(tf, shape):
         assert frob < 5e-3 and worst < 2e-2, f"grad_input {n}x{k} M={m}: rel err {frob:.2e}, max {worst:.2e}"
 
 
-def _swap_config(tf, m, n, k, deint):
-    """A swapped-kernel decode config: bm = x rows per tile (16, 32 or 64), split-K picked as for the default."""
-    bm = max(16, 1 << (m - 1).bit_length())
-    bk = tf._k_block(k, 256)
-    tiles = -(-m // bm) * -(-n // 64)
-    split = tf._pick_split(tiles, -(-k // bk), torch.device("cuda"))
-    return tf.KernelConfig(bm, 64, bk, split, 4, 3, swap=True, deint=deint)
-
-
-@pytest.mark.parametrize("use_asm,deint", [(True, False), (True, True), (False, False), (False, True)])
-@pytest.mark.parametrize("shape", DISTINCT, ids=[f"{n}x{k}" for n, k in DISTINCT])
-def test_swapped_forward_matches_float64(tf, shape, use_asm, deint):
-    n, k = shape
-    packed, scale, gs = _random_fp4(n, k, seed=n * 7 + k)
-    w64 = dequantize_nvfp4(packed, scale, gs, torch.float64)
-    for m in (1, 8, 16, 64):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        cfg = _swap_config(tf, m, n, k, deint)
-        out = tf.fp4_matmul_triton(x, packed, scale, gs, bias, config=cfg, use_asm=use_asm)
-        frob, worst = _rel_err(out, x.double() @ w64.T + bias.double())
-        assert frob < 5e-3 and worst < 2e-2, f"swap {cfg} {n}x{k} M={m}: rel err {frob:.2e}, max {worst:.2e}"
-
-
-@pytest.mark.parametrize("use_asm,deint", [(True, False), (True, True), (False, False), (False, True)])
-def test_swapped_identity_input_reproduces_every_dequantized_weight(tf, use_asm, deint):
-    """The swapped kernel as a dequantizer (x = I, 8 x tiles of 64 rows, split 2): every byte value, to 1 bf16 ulp."""
-    n, k = 256, 512
-    packed, scale, gs = _random_fp4(n, k, seed=1)
-    packed[:, :256] = torch.arange(256, dtype=torch.uint8, device="cuda")
-    ref = dequantize_nvfp4(packed, scale, gs, torch.float32)
-    cfg = tf.KernelConfig(64, 64, 128, 2, swap=True, deint=deint)
-    wt = tf.fp4_matmul_triton(torch.eye(k, device="cuda", dtype=torch.bfloat16), packed, scale, gs,
-                              config=cfg, use_asm=use_asm).float()
-    assert ((wt.T - ref).abs() <= ref.abs() * 2.0**-8 + 1e-30).all()
-
-
 @pytest.mark.parametrize("use_asm,path", [(True, "fused"), (False, "fused"), (True, "dense"), (False, "dense")])
 def test_identity_input_reproduces_every_dequantized_weight(tf, use_asm, path):
     """x = I turns the matmuls into dequantizers: every byte value and a wide range of scales, to 1 bf16 ulp."""
