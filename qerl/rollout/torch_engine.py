@@ -35,10 +35,13 @@ class TorchEngine(RolloutEngine):
     or "auto" (static on CUDA, dynamic elsewhere). use_cuda_graph: True, False or "auto" (= on CUDA with
     the static cache). compile: torch.compile the decode forward inside the graph (True, False, or "auto" = with
     CUDA graphs). eos_token_ids overrides the EOS set read from generation_config and tokenizer.
+    lora_dtype: LoRA adapter weights kept in another dtype than the model computes in (peft upcasts them to fp32
+    for training) are used in this dtype during a call, through copies refreshed at every call ("auto" = the
+    model's compute dtype on CUDA, None = as they are): rollouts then run LoRA on bf16 tensor cores like vLLM.
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int | None = None, use_cuda_graph="auto",
-                 cache: str = "auto", eos_token_ids=None, compile="auto"):
+                 cache: str = "auto", eos_token_ids=None, compile="auto", lora_dtype="auto"):
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise QerlError(f"TorchEngine.max_batch_size: expected None or an int >= 1, got {max_batch_size!r}")
         if cache not in ("auto", "dynamic", "static"):
@@ -62,6 +65,11 @@ class TorchEngine(RolloutEngine):
                       "graph_replays": 0}
         self._forward = None  # the (compiled) decode forward, built on first use
         self._decoder = None  # the _StaticDecoder of the last call, reused while its key matches
+        self.lora_dtype = _compute_dtype(model) if lora_dtype == "auto" and on_cuda else lora_dtype
+        if self.lora_dtype not in (None, "auto") and not isinstance(self.lora_dtype, torch.dtype):
+            raise QerlError(f"TorchEngine.lora_dtype: expected None, 'auto' or a torch.dtype, got {lora_dtype!r}")
+        self.lora_dtype = None if self.lora_dtype == "auto" else self.lora_dtype
+        self._shadows: dict[int, torch.nn.Parameter] = {}  # id(adapter weight) -> its copy in lora_dtype
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompt_ids, n: int = 1, sampling: SamplingParams | None = None) -> RolloutOutput:
@@ -70,7 +78,7 @@ class TorchEngine(RolloutEngine):
         base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         group = len(prompts) if self.max_batch_size is None else max(1, self.max_batch_size // n)
         rows: list[tuple[list[int], list[float], str]] = []
-        with _inference_mode(self.model):
+        with _inference_mode(self.model), self._lora_in_compute_dtype():
             for start in range(0, len(prompts), group):
                 chunk = prompts[start:start + group]
                 rows += self._generate_group(chunk, n, sampling, base_seed, first_row=start * n)
@@ -80,9 +88,38 @@ class TorchEngine(RolloutEngine):
             finish_reasons=[r[2] for r in rows], stats=dict(self.stats))
 
     def close(self) -> None:
-        self._forward, self._decoder = None, None
+        self._forward, self._decoder, self._shadows = None, None, {}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    @contextlib.contextmanager
+    def _lora_in_compute_dtype(self):
+        """Swap every LoRA Linear weight that is not in lora_dtype for a same-shape copy in it (refreshed from the
+        trained weight now), and put the trained weights back afterwards. The copies persist across calls, so a
+        captured decode graph keeps reading the same addresses."""
+        swapped = []
+        if self.lora_dtype is not None:
+            for module in self.model.modules():
+                if not (hasattr(module, "lora_A") and hasattr(module, "lora_B")):
+                    continue
+                for linear in (*module.lora_A.values(), *module.lora_B.values()):
+                    weight = linear.weight
+                    if weight.dtype == self.lora_dtype or not weight.is_floating_point():
+                        continue
+                    shadow = self._shadows.get(id(weight))
+                    if shadow is None or shadow.shape != weight.shape or shadow.device != weight.device:
+                        shadow = torch.nn.Parameter(torch.empty(weight.shape, dtype=self.lora_dtype,
+                                                                device=weight.device), requires_grad=False)
+                        self._shadows[id(weight)] = shadow
+                    with torch.no_grad():
+                        shadow.copy_(weight)
+                    linear.weight = shadow
+                    swapped.append((linear, weight))
+        try:
+            yield
+        finally:
+            for linear, weight in swapped:
+                linear.weight = weight
 
     # ---------------------------------------------------------------- one group of prompts
     def _generate_group(self, prompts, n, sampling: SamplingParams, base_seed: int, first_row: int):
@@ -302,6 +339,14 @@ class _StaticDecoder:
 def _decode_forward(model, tok, mask, pos, cache):
     out = model(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
     return out.logits[:, -1].float()
+
+
+def _compute_dtype(model) -> torch.dtype:
+    """The dtype the model computes in: its input embeddings' (FP4 layers hold uint8, adapters may be fp32)."""
+    try:
+        return model.get_input_embeddings().weight.dtype
+    except (AttributeError, NotImplementedError):
+        return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
 def _attention_mask_kind(model) -> str:

@@ -1,6 +1,8 @@
 """The torch rollout engine against transformers' own generate and a full forward pass (tiny Qwen2, CPU)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -179,6 +181,43 @@ def test_peft_adapter_is_used(tiny_model_dir, prompts):
     ref = hf_greedy(model, tok, prompts, 8)
     assert out.completion_ids == [r for r in ref for _ in range(2)]
     assert out.completion_ids[::2] != base_out.completion_ids
+
+
+def test_lora_dtype_uses_refreshed_copies_and_restores_trained_weights(tiny_model_dir, prompts):
+    """lora_dtype=bf16: a call samples exactly as a model whose adapters hold the bf16-rounded weights, the
+    trained fp32 parameters come back untouched, and an update of them reaches the next call."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                           LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"],
+                                      init_lora_weights=False))
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    engine = TorchEngine(model, tok, eos_token_ids=(), lora_dtype=torch.bfloat16)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
+
+    def bf16_adapter_reference():  # a copy of the model whose adapter modules really are bf16
+        ref_model = copy.deepcopy(model)
+        for name, module in ref_model.named_modules():
+            if name.split(".")[-1] in ("lora_A", "lora_B"):
+                module.to(torch.bfloat16)
+        return TorchEngine(ref_model, tok, eos_token_ids=(), lora_dtype=None).generate(prompts, 2, params)
+
+    for _ in range(2):
+        out = engine.generate(prompts, 2, params)
+        assert {n: p for n, p in model.named_parameters() if "lora_" in n} == lora  # the same Parameter objects
+        assert all(p.dtype == torch.float32 and p.requires_grad for p in lora.values())
+        ref = bf16_adapter_reference()
+        assert out.completion_ids == ref.completion_ids
+        assert max(abs(a - b) for x, y in zip(out.logprobs, ref.logprobs) for a, b in zip(x, y)) < 1e-4
+        with torch.no_grad():  # an "optimizer step": the next call must see it
+            for n, p in lora.items():
+                if "lora_B" in n:
+                    p.mul_(-3.0)
+    with pytest.raises(QerlError, match="lora_dtype"):
+        TorchEngine(model, tok, lora_dtype="half")
 
 
 def test_gradient_checkpointing_model_still_uses_cache(tiny_model_dir, prompts):
