@@ -94,6 +94,8 @@ class TrainConfig(_Section):
     max_completion_length: int = Field(1024, ge=1)
     logprob_chunk_size: int = Field(1024, ge=16, description="tokens per lm_head chunk (no B*T*V logits)")
     gradient_checkpointing: bool = False
+    offload_activations: bool = Field(False, description="keep tensors saved for backward (with gradient "
+                                      "checkpointing: each layer's input) in pinned CPU memory")
     train_norms: bool = Field(False, description="also train RMSNorm scales (the original scripts do)")
     rollout_correction: Literal["none", "tis"] = "none"
     tis_cap: float = Field(2.0, gt=1.0)

@@ -7,6 +7,8 @@ Metrics keep TRL's names. Everything random derives from (seed, step), so a resu
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 import time
@@ -212,6 +214,12 @@ class GRPOTrainer:
         with self.model.disable_adapter():
             return self.logprobs(batch, rows)[0]
 
+    def _saved_tensors(self):
+        """Where autograd keeps what backward needs: on the GPU, or in pinned CPU memory (offload_activations)."""
+        if self.cfg.offload_activations:
+            return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+        return contextlib.nullcontext()
+
     def update(self, batch: Batch, step: int) -> dict[str, float]:
         cfg = self.cfg
         rows_total = batch.input_ids.shape[0]
@@ -227,7 +235,8 @@ class GRPOTrainer:
         self.model.train()
         for _ in range(cfg.num_iterations):
             for s, old, ref in zip(slices, olds, refs):
-                lp, ent = self.logprobs(batch, s)
+                with self._saved_tensors():
+                    lp, ent = self.logprobs(batch, s)
                 mask, metrics = batch.completion_mask[s], {}
                 is_w = None
                 if cfg.rollout_correction == "tis":

@@ -118,3 +118,40 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(nvfp4_dir, task
     with pytest.raises(QerlError, match=r"non-finite loss at step 3; the last good checkpoint is .*step-000002"):
         tr.train()
     assert (tmp_path / "ck" / "step-000002" / "trainable.pt").is_file()
+
+
+def test_offloaded_activations_give_the_same_update(nvfp4_dir, task, tmp_path, monkeypatch):
+    """offload_activations + gradient checkpointing: the same batch gives the same adapter after one update, and
+    the tensors saved for backward really went through the offload hooks."""
+    monkeypatch.syspath_prepend(str(task))
+    from qerl import trainer as trainer_mod
+    from qerl.config import parse_section
+    from qerl.train import _setup_data, _setup_model, _setup_rewards
+
+    packed = []
+    real_save_on_cpu = torch.autograd.graph.save_on_cpu
+
+    class CountingSaveOnCpu(real_save_on_cpu):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            pack = self.pack_hook
+            self.pack_hook = lambda t: (packed.append(t.shape), pack(t))[1]
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
+    adapters = []
+    for offload in (False, True):
+        cfg = parse_section("train", {**_train_config(task), "gradient_checkpointing": True,
+                                      "offload_activations": offload})
+        torch.manual_seed(0)  # same LoRA init for both
+        model, tok = _setup_model(cfg, str(nvfp4_dir))
+        prompts, answers = _setup_data(cfg, tok)
+        tr = trainer_mod.GRPOTrainer(cfg, model, tok, prompts, answers, _setup_rewards(cfg),
+                                     checkpoint_dir=tmp_path / f"ck{offload}")
+        batch = tr.rollout(0)
+        tr.update(batch, 0)
+        adapters.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert packed, "nothing was saved through the offload hooks"
+    assert adapters[0].keys() == adapters[1].keys() and adapters[0]
+    for name in adapters[0]:
+        torch.testing.assert_close(adapters[1][name], adapters[0][name], rtol=1e-5, atol=1e-7)
+    assert any(not torch.equal(p, torch.zeros_like(p)) for p in adapters[1].values())

@@ -40,7 +40,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--speed-size", default="7B")
     p.add_argument("--speed-modes", default="fp4,bf16")
-    p.add_argument("--memory", default="7B:fp4,14B:fp4,32B:fp4,7B:bf16", help="size:mode list for (d)")
+    p.add_argument("--memory", default="7B:fp4,14B:fp4,32B:fp4,7B:bf16",
+                   help="size:mode[:micro_batch[:offload]] list for (d)")
     p.add_argument("--batches", type=_ints, default=[8, 64], help="rollout rows for (b)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per GRPO step")
     p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
@@ -79,9 +80,13 @@ def _worker_argv(args, kind: str, spec: str, out: Path) -> list[str]:
 
 
 def _run_in_process(args, kind: str, spec: str, on_part=None) -> dict:
-    size, mode = spec.split(":")
+    size, mode, *extra = spec.split(":")
     start = time.perf_counter()
-    result = speed_worker(args, mode, size, on_part) if kind == "speed" else memory_worker(args, mode, size)
+    if kind == "speed":
+        result = speed_worker(args, mode, size, on_part)
+    else:  # size:mode[:micro_batch[:offload]]
+        result = memory_worker(args, mode, size, micro_batch=int(extra[0]) if extra else None,
+                               offload=len(extra) > 1 and extra[1] == "offload")
     result["wall_seconds"] = round(time.perf_counter() - start, 1)
     return result
 
@@ -104,7 +109,7 @@ def _finish(job, timeout: float) -> dict:
     print(f"[e2e] done {kind} {spec}: rc {proc.returncode}, {wall} s", flush=True)
     if out.exists():
         return json.loads(out.read_text())
-    size, mode = spec.split(":")
+    size, mode = spec.split(":")[:2]
     return {"mode": mode, "size": size, "errors": {"worker": f"exit code {proc.returncode} after {wall} s "
                                                              f"(timeout {timeout} s), no result"}}
 

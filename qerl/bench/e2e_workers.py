@@ -54,7 +54,7 @@ def _build(args, fp4: bool, size: str):
 
 
 def make_trainer(model, tokenizer, prompts, *, fp4: bool, num_generations: int, completion_len: int,
-                 micro_batch_size: int, lora_r: int, seed: int):
+                 micro_batch_size: int, lora_r: int, seed: int, offload: bool = False):
     """The project's GRPOTrainer on synthetic prompts and a random reward (no AQN: sigma would be 0 at step 0)."""
     from qerl.config import TrainConfig
     from qerl.trainer import GRPOTrainer
@@ -62,6 +62,7 @@ def make_trainer(model, tokenizer, prompts, *, fp4: bool, num_generations: int, 
     cfg = TrainConfig(mode="qlora_fp4" if fp4 else "lora", data={"source": "bench"}, rewards=["random"],
                       num_generations=num_generations, batch_size=len(prompts), micro_batch_size=micro_batch_size,
                       max_steps=4, max_completion_length=completion_len, gradient_checkpointing=True, aqn=None,
+                      offload_activations=offload,
                       lora={"lora_r": lora_r, "lora_alpha": 2 * lora_r}, seed=seed)
     return GRPOTrainer(cfg, model, tokenizer, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
                        checkpoint_dir=tempfile.mkdtemp(prefix="qerl-bench-"))
@@ -191,17 +192,18 @@ def speed_worker(args, mode: str, size: str, on_part=None) -> dict:
     return result
 
 
-def memory_worker(args, mode: str, size: str) -> dict:
-    """(d) peak allocated bytes of one GRPO update on one micro-batch of prompt + completion tokens."""
+def memory_worker(args, mode: str, size: str, micro_batch: int | None = None, offload: bool = False) -> dict:
+    """(d) peak allocated bytes of one GRPO update on one micro-batch of prompt + completion tokens
+    (micro_batch rows, default --micro-batch; offload: saved activations in pinned CPU memory)."""
     from qerl.trainer import Batch
 
     fp4 = mode == "fp4"
     model, tokenizer, device = _build(args, fp4, size)
-    rows, plen, clen = args.micro_batch, args.prompt_len, args.memory_completion
+    rows, plen, clen = micro_batch or args.micro_batch, args.prompt_len, args.memory_completion
     gen = torch.Generator().manual_seed(args.seed)
     prompts = random_prompts(tokenizer, rows, plen, args.seed)
     trainer = make_trainer(model, tokenizer, prompts[:1], fp4=fp4, num_generations=rows, completion_len=clen,
-                           micro_batch_size=rows, lora_r=args.lora_r, seed=args.seed)
+                           micro_batch_size=rows, lora_r=args.lora_r, seed=args.seed, offload=offload)
     ids = torch.randint(0, 30000, (rows, plen + clen), generator=gen)
     batch = Batch(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
                   completion_mask=torch.ones(rows, clen, device=device),
@@ -215,7 +217,7 @@ def memory_worker(args, mode: str, size: str) -> dict:
     start = time.perf_counter()
     metrics = trainer.update(batch, 0)
     _sync()
-    return {"mode": mode, "size": size, "device": device, "rows": rows, "prompt_len": plen,
+    return {"mode": mode, "size": size, "device": device, "rows": rows, "offload": offload, "prompt_len": plen,
             "completion_len": clen, "model_bytes": model_bytes,
             "peak_bytes": torch.cuda.max_memory_allocated() if on_cuda else None,
             "update_seconds": time.perf_counter() - start, "loss": metrics["loss"]}

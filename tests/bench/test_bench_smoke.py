@@ -16,7 +16,7 @@ from qerl.bench.random_models import build_random_model, decode_weight_bytes, kv
 from qerl.errors import QerlError
 from qerl.quant.linear import FP4Linear
 
-TINY = ["--speed-size", "tiny", "--memory", "tiny:fp4,tiny:bf16", "--batches", "2,4", "--prompts", "2",
+TINY = ["--speed-size", "tiny", "--memory", "tiny:fp4,tiny:bf16,tiny:fp4:1:offload", "--batches", "2,4", "--prompts", "2",
         "--group", "2", "--prompt-len", "8", "--new-tokens", "3", "--step-completion", "3",
         "--memory-completion", "5", "--micro-batch", "2", "--lora-r", "4", "--hf-tokens", "2", "--in-process"]
 
@@ -49,9 +49,10 @@ def test_rollout_and_step_rows(run):
 
 def test_memory_rows(run):
     payload, _ = run
-    assert [(m["size"], m["mode"]) for m in payload["memory"]] == [("tiny", "fp4"), ("tiny", "bf16")]
+    assert [(m["size"], m["mode"], m["rows"], m["offload"]) for m in payload["memory"]] == [
+        ("tiny", "fp4", 2, False), ("tiny", "bf16", 2, False), ("tiny", "fp4", 1, True)]
     for m in payload["memory"]:
-        assert (m["rows"], m["prompt_len"], m["completion_len"]) == (2, 8, 5)
+        assert (m["prompt_len"], m["completion_len"]) == (8, 5)
         assert m["peak_bytes"] is None  # CPU: no allocator statistics, reported as such
         assert torch.isfinite(torch.tensor(m["loss"]))
 
