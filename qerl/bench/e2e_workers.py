@@ -202,7 +202,7 @@ def memory_worker(args, mode: str, size: str, micro_batch: int | None = None, of
     rows, plen, clen = micro_batch or args.micro_batch, args.prompt_len, args.memory_completion
     gen = torch.Generator().manual_seed(args.seed)
     prompts = random_prompts(tokenizer, rows, plen, args.seed)
-    trainer = make_trainer(model, tokenizer, prompts[:1], fp4=fp4, num_generations=rows, completion_len=clen,
+    trainer = make_trainer(model, tokenizer, prompts[:1], fp4=fp4, num_generations=max(2, rows), completion_len=clen,
                            micro_batch_size=rows, lora_r=args.lora_r, seed=args.seed, offload=offload)
     ids = torch.randint(0, 30000, (rows, plen + clen), generator=gen)
     batch = Batch(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
