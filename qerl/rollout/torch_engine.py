@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from qerl.errors import QerlError
+from qerl.rollout.attention import attention_implementation
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
 from qerl.rollout.sampling import StopChecker, row_uniforms, sample_tokens
 
@@ -198,7 +199,7 @@ class TorchEngine(RolloutEngine):
 
     def _decode_forward_fn(self):
         if self._forward is None:
-            self._forward = (torch.compile(_decode_forward, dynamic=False) if self.use_compile
+            self._forward = (torch.compile(_decode_forward, dynamic=True) if self.use_compile
                              else _decode_forward)
         return self._forward
 
@@ -235,8 +236,6 @@ class _StaticDecoder:
         self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)
         self.done = torch.zeros(rows, dtype=torch.bool, device=dev)
         self.uniforms = torch.zeros(rows, cache_len, dtype=torch.float32, device=dev)
-        self.additive = _attention_mask_kind(model) == "additive"
-        self.mask_dtype = next(model.parameters()).dtype
         self.graph, self.eager_steps = None, 0
 
     def start(self, dynamic, n, logits, mask, pos, uniforms, max_new: int):
@@ -272,12 +271,10 @@ class _StaticDecoder:
     def _body(self):
         self.mask.index_fill_(1, self.col, True)
         self.pos.add_(1)
-        mask = self.mask[:, None, None, :]
-        if self.additive:
-            mask = torch.zeros(mask.shape, dtype=self.mask_dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(self.mask_dtype).min)
         forward = self.engine._decode_forward_fn()
-        self._record(forward(self.engine.model, self.tok, mask, self.pos, self.cache))
+        with attention_implementation(self.engine.model):  # grouped-query decode attention, bool mask
+            logits = forward(self.engine.model, self.tok, self.mask[:, None, None, :], self.pos, self.cache)
+        self._record(logits)
         self.col.add_(1)
 
     def apply_stops(self, stop_check: StopChecker, step: int):
@@ -347,12 +344,6 @@ def _compute_dtype(model) -> torch.dtype:
         return model.get_input_embeddings().weight.dtype
     except (AttributeError, NotImplementedError):
         return next(p.dtype for p in model.parameters() if p.is_floating_point())
-
-
-def _attention_mask_kind(model) -> str:
-    """How a prepared 4D mask is read: sdpa (and flex/flash fallbacks) take bool, eager adds a float mask."""
-    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    return "additive" if impl == "eager" else "bool"
 
 
 def _sampling_key(sampling: SamplingParams) -> tuple:
