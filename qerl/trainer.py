@@ -8,7 +8,6 @@ Metrics keep TRL's names. Everything random derives from (seed, step), so a resu
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import math
 import time

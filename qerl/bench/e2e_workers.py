@@ -82,10 +82,15 @@ def _timed_generate(engine, prompts, n: int, new_tokens: int, seed: int) -> dict
             "graph_replays": out.stats.get("graph_replays"), "graph_captures": out.stats.get("graph_captures")}
 
 
+def _batch_of(prompts, batch: int) -> tuple[list[list[int]], int]:
+    """The prompts and samples per prompt n that make `batch` rows (n = batch // len(prompts), at least 1)."""
+    n = max(1, batch // len(prompts))
+    return prompts[:max(1, batch // n)], n
+
+
 def _rollout_rows(engine, prompts, batch: int, new_tokens: int, seed: int) -> dict:
     """One batch size: a warm-up run (compiles and captures the decode graph), then the timed run."""
-    n = max(1, batch // len(prompts))
-    chosen = prompts[:max(1, batch // n)]
+    chosen, n = _batch_of(prompts, batch)
     warm = _timed_generate(engine, chosen, n, new_tokens, seed)
     row = _timed_generate(engine, chosen, n, new_tokens, seed + 1)
     return {"batch": row["rows"], "new_tokens": new_tokens, "first_seconds": round(warm["seconds"], 3), **row}
@@ -96,8 +101,7 @@ def _profile_rollout(engine, prompts, batch: int, new_tokens: int, seed: int) ->
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    n = max(1, batch // len(prompts))
-    chosen = prompts[:max(1, batch // n)]
+    chosen, n = _batch_of(prompts, batch)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         row = _timed_generate(engine, chosen, n, new_tokens, seed)
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]

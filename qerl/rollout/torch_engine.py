@@ -66,10 +66,9 @@ class TorchEngine(RolloutEngine):
                       "graph_replays": 0}
         self._forward = None  # the (compiled) decode forward, built on first use
         self._decoder = None  # the _StaticDecoder of the last call, reused while its key matches
-        self.lora_dtype = _compute_dtype(model) if lora_dtype == "auto" and on_cuda else lora_dtype
-        if self.lora_dtype not in (None, "auto") and not isinstance(self.lora_dtype, torch.dtype):
+        if lora_dtype not in (None, "auto") and not isinstance(lora_dtype, torch.dtype):
             raise QerlError(f"TorchEngine.lora_dtype: expected None, 'auto' or a torch.dtype, got {lora_dtype!r}")
-        self.lora_dtype = None if self.lora_dtype == "auto" else self.lora_dtype
+        self.lora_dtype = (_compute_dtype(model) if on_cuda else None) if lora_dtype == "auto" else lora_dtype
         self._shadows: dict[int, torch.nn.Parameter] = {}  # id(adapter weight) -> its copy in lora_dtype
 
     # ---------------------------------------------------------------- public API
@@ -262,9 +261,7 @@ class _StaticDecoder:
         tok = tok.masked_fill(self.done, self.engine.pad_id)
         self.tokens.index_copy_(1, idx, tok[:, None])
         self.logprobs.index_copy_(1, idx, lp[:, None])
-        newly = torch.isin(tok, self.eos) & ~self.done
-        self.lengths.copy_(torch.where(newly, idx + 1, self.lengths))
-        self.done.logical_or_(newly)
+        self._mark_done(torch.isin(tok, self.eos), idx + 1)
         self.tok.copy_(tok[:, None])
         self.step.add_(1)
 
@@ -280,8 +277,12 @@ class _StaticDecoder:
     def apply_stops(self, stop_check: StopChecker, step: int):
         """Host-side stop-string check of token `step` (one sync); rows that stop are marked done."""
         rows = torch.arange(self.tokens.shape[0], device=self.tokens.device)
-        hit = stop_check(self.tokens[:, step], self.tokens, rows, step) & ~self.done
-        self.lengths.copy_(torch.where(hit, step + 1, self.lengths))
+        self._mark_done(stop_check(self.tokens[:, step], self.tokens, rows, step), step + 1)
+
+    def _mark_done(self, hit, length):
+        """Rows in `hit` that were still running end with `length` tokens."""
+        hit = hit & ~self.done
+        self.lengths.copy_(torch.where(hit, length, self.lengths))
         self.done.logical_or_(hit)
 
     def advance(self):
@@ -316,21 +317,27 @@ class _StaticDecoder:
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            counters = [layer.cumulative_length.clone() for layer in self.cache.layers]
-            state = [t.clone() for t in (self.mask, self.pos, self.col)]
-            try:
-                self._body()
-            except Exception as exc:  # noqa: BLE001
-                if not self.engine.use_compile:
-                    raise
-                self.engine._fall_back("torch.compile", exc)
-                for layer, count in zip(self.cache.layers, counters):
-                    layer.cumulative_length.copy_(count)
-                for t, saved in zip((self.mask, self.pos, self.col), state):
-                    t.copy_(saved)
+            if self.engine.use_compile:
+                self._compiled_eager_step()
+            else:
                 self._body()
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
+
+    def _compiled_eager_step(self):
+        """A step through the compiled forward; if compiling fails, the step is undone and run uncompiled (the
+        snapshot is taken only here: uncompiled eager steps, every step on CPU, need none)."""
+        counters = [layer.cumulative_length.clone() for layer in self.cache.layers]
+        state = [t.clone() for t in (self.mask, self.pos, self.col)]
+        try:
+            self._body()
+        except Exception as exc:  # noqa: BLE001
+            self.engine._fall_back("torch.compile", exc)
+            for layer, count in zip(self.cache.layers, counters):
+                layer.cumulative_length.copy_(count)
+            for t, saved in zip((self.mask, self.pos, self.col), state):
+                t.copy_(saved)
+            self._body()
 
 
 def _decode_forward(model, tok, mask, pos, cache):
