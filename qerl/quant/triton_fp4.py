@@ -137,6 +137,14 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _split_range(n_tiles, SPLIT: tl.constexpr):
+    """The reduction tiles [t0, t1) of this program's split (program_id 1) out of n_tiles."""
+    per_split = tl.cdiv(n_tiles, SPLIT)
+    t0 = tl.program_id(1) * per_split
+    return t0, tl.minimum(t0 + per_split, n_tiles)
+
+
+@triton.jit
 def _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Store a (BM, BN) fp32 tile; with SPLIT > 1 the last of the SPLIT programs of `tile` adds up the partials."""
@@ -173,10 +181,7 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     rn = offs_n % N  # wrapped weight rows load real data; only the store is masked
-    k_tiles = tl.cdiv(K, BK)
-    per_split = tl.cdiv(k_tiles, SPLIT)
-    kt0 = tl.program_id(1) * per_split
-    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    kt0, kt1 = _split_range(tl.cdiv(K, BK), SPLIT)
     offs_k = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(kt0, kt1):
@@ -202,10 +207,7 @@ def _fp4_mm_t_kernel(g_ptr, wp_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
     tile, pid_m, pid_k = _tile_ids(M, K, BM, BK, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BK + tl.arange(0, BK)
-    n_tiles = tl.cdiv(N, BN)
-    per_split = tl.cdiv(n_tiles, SPLIT)
-    nt0 = tl.program_id(1) * per_split
-    nt1 = tl.minimum(nt0 + per_split, n_tiles)
+    nt0, nt1 = _split_range(tl.cdiv(N, BN), SPLIT)
     offs_nb = tl.arange(0, BN)
     acc = tl.zeros((BM, BK), dtype=tl.float32)
     for nt in range(nt0, nt1):
