@@ -206,10 +206,10 @@ def run(models: list[str], rows_m: list[int], naive: bool) -> dict:
 # Candidate tiles per row bucket: (bm, bn, bk, warps, stages, maxnreg); split-K: none, 2 and 6 programs per SM.
 # "dense" = chunked dequantize + cuBLAS (qerl.quant.triton_dequant).
 SWEEP_FWD = {
-    16: [(16, 32, 256, 4, 4, None), (16, 32, 128, 4, 4, None), (16, 64, 128, 4, 4, None), (16, 64, 256, 8, 4, None),
-         (16, 128, 128, 8, 4, None), (16, 32, 128, 4, 2, None), (16, 32, 256, 4, 4, 128), "dense"],
-    64: [(32, 64, 128, 4, 4, None), (64, 64, 128, 4, 4, None), (32, 64, 256, 4, 3, None), (32, 128, 128, 8, 4, None),
-         "dense"],
+    16: [(16, 32, 256, 4, 4, 128), (16, 64, 256, 4, 4, None), (16, 64, 128, 4, 4, None), (16, 128, 128, 4, 3, None),
+         (16, 128, 128, 4, 4, None), (16, 128, 64, 4, 4, None), (16, 256, 64, 4, 4, None), (16, 256, 64, 8, 4, None)],
+    64: [(32, 64, 256, 4, 3, None), (64, 64, 128, 4, 4, None), (64, 128, 64, 4, 4, None), (64, 128, 64, 4, 3, None),
+         (64, 128, 128, 4, 3, None), (64, 256, 64, 8, 3, None), (64, 64, 64, 4, 4, None)],
     256: [(128, 128, 64, 8, 4, None), (64, 64, 128, 4, 4, None), "dense"],
     2048: [(128, 128, 64, 8, 4, None), "dense"],
 }
@@ -247,27 +247,34 @@ def _try_config(kind, label, n, k, m, ref, call, copies) -> dict:
     """Error vs the default output and time of one config; a config that fails to build is recorded."""
     row = {"kind": kind, "N": n, "K": k, "M": m, "config": label}
     try:
-        row["err"] = ((call(0).float() - ref).norm() / ref.norm()).item()
+        row["err"] = ((call(0).double() - ref).norm() / ref.norm()).item()
         row["us"] = graph_time_us(call, copies)
     except Exception as exc:  # e.g. shared memory overflow of a large tile
         row.update(us=float("inf"), err=float("nan"), error=str(exc).splitlines()[0][:200])
     return row
 
 
-def _sweep_one(tf, n, k, m, fp4, x, g) -> list[dict]:
+def _sweep_one(tf, n, k, m, fp4, x, g, kinds=("fwd", "bwd")) -> list[dict]:
     out = []
-    ref = tf.fp4_matmul_triton(x, *fp4[0]).float()
-    ref_t = tf.fp4_matmul_t_triton(g, *fp4[0]).float()
-    for label, kw in _candidates(tf, "fwd", m, n, k):
+    ref = fp4_reference(x, *fp4[0])
+    ref_t = fp4_reference(g, *fp4[0], transposed=True)
+    for label, kw in _candidates(tf, "fwd", m, n, k) if "fwd" in kinds else ():
         out.append(_try_config("fwd", label, n, k, m, ref, lambda i, kw=kw: tf.fp4_matmul_triton(
             x, *fp4[i], **kw), len(fp4)))
-    for label, kw in _candidates(tf, "bwd", m, n, k):
+    for label, kw in _candidates(tf, "bwd", m, n, k) if "bwd" in kinds else ():
         out.append(_try_config("bwd", label, n, k, m, ref_t, lambda i, kw=kw: tf.fp4_matmul_t_triton(
             g, *fp4[i], **kw), len(fp4)))
     return out
 
 
-def sweep(rows_m: list[int]) -> list[dict]:
+def fp4_reference(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale,
+                  transposed: bool = False) -> torch.Tensor:
+    """a @ deq(W).T (or a @ deq(W)) in float64 from compressed-tensors' own dequantization: the sweep's yardstick."""
+    w = dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, torch.float32).double()
+    return a.double() @ (w if transposed else w.T)
+
+
+def sweep(rows_m: list[int], kinds=("fwd", "bwd")) -> list[dict]:
     """Time every candidate config on the 7B shapes; prints the best per (kind, shape, M)."""
     from qerl.quant import triton_fp4 as tf
 
@@ -277,8 +284,8 @@ def sweep(rows_m: list[int]) -> list[dict]:
         for m in rows_m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            res = _sweep_one(tf, n, k, m, fp4, x, g)
-            for kind in ("fwd", "bwd"):
+            res = _sweep_one(tf, n, k, m, fp4, x, g, kinds)
+            for kind in kinds:
                 best = min((r for r in res if r["kind"] == kind), key=lambda r: r["us"])
                 print(f"sweep {kind} {layer} {n}x{k} M={m}: best {best['config']} {best['us']:.1f} us; all "
                       + ", ".join(f"{r['config']}={r['us']:.1f}{'' if r['err'] <= 1e-2 else '!'}"
@@ -294,12 +301,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default="1,16,64,256,2048")
     p.add_argument("--no-naive", action="store_true", help="skip the (slow) dequantize-then-matmul baseline")
     p.add_argument("--sweep", action="store_true", help="time candidate tile configs instead (qerl.bench.sweep)")
+    p.add_argument("--kinds", default="fwd,bwd", help="--sweep: fwd (x @ W.T), bwd (grad_out @ W) or both")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl.bench.kernels needs a CUDA GPU")
     rows_m = [int(v) for v in a.rows.split(",")]
     if a.sweep:
-        result = {**_environment(), "sweep": sweep(rows_m)}
+        result = {**_environment(), "sweep": sweep(rows_m, tuple(a.kinds.split(",")))}
     else:
         result = run(a.models.split(","), rows_m, naive=not a.no_naive)
         print(markdown(result))

@@ -107,6 +107,37 @@ def fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None):
     return _fp4_matmul_op(x, weight_packed, weight_scale, weight_global_scale, bias)
 
 
+def reference_fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
+                              lora_scale: float):
+    """fp4_matmul + lora_scale * (x @ lora_a.T) @ lora_b.T, the LoRA part in x's dtype (as peft computes it)."""
+    out = reference_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias)
+    return out + (x @ lora_a.to(x.dtype).T) @ lora_b.to(x.dtype).T * lora_scale
+
+
+@torch.library.custom_op("qerl::fp4_lora_matmul", mutates_args=())
+def _fp4_lora_matmul_op(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                        weight_global_scale: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                        lora_b: torch.Tensor, lora_scale: float) -> torch.Tensor:
+    kernel = _use_triton(x, weight_scale, "_triton_fp4_matmul")
+    if kernel is not None:
+        return kernel(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale)
+    return reference_fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
+                                     lora_scale)
+
+
+@_fp4_lora_matmul_op.register_fake
+def _(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale):
+    return x.new_empty(*x.shape[:-1], weight_packed.shape[0])
+
+
+def fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale):
+    """Inference-only x @ deq(W).T (+ bias) + lora_scale * (x @ A.T) @ B.T as one op (qerl::fp4_lora_matmul): on
+    CUDA the B product is added in the FP4 kernel's epilogue (one small GEMM for x @ A.T, no B GEMM, no add
+    kernel). It has no autograd formula: training goes through FP4Linear + peft's separate adapter modules."""
+    return _fp4_lora_matmul_op(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
+                               float(lora_scale))
+
+
 def fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale):
     """grad_out (..., N) @ deq(W) -> (..., K), the input gradient of fp4_matmul (custom op qerl::fp4_matmul_t)."""
     return _fp4_matmul_t_op(grad_out, weight_packed, weight_scale, weight_global_scale)

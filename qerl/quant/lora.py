@@ -17,6 +17,7 @@ from peft import LoraConfig
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
+from qerl.quant.kernels import fp4_lora_matmul
 from qerl.quant.linear import FP4Linear
 
 
@@ -51,7 +52,28 @@ class FP4LoraLinear(nn.Module, LoraLayer):
         raise NotImplementedError("a packed FP4 weight cannot absorb a LoRA delta in place; use "
                                   "qerl.merging.merge_adapter to write a merged dense checkpoint")
 
+    def _fused_adapter(self, x: torch.Tensor) -> str | None:
+        """The one active adapter whose update can go into the FP4 kernel's epilogue: no autograd wanted (rollout,
+        evaluation), dropout inactive, adapter weights already in x's dtype (TorchEngine's bf16 copies)."""
+        if (torch.is_grad_enabled() or self.disable_adapters or len(self.active_adapters) != 1
+                or self.base_layer.fmt != "nvfp4"):
+            return None
+        name = self.active_adapters[0]
+        if name not in self.lora_A.keys():
+            return None
+        drop = self.lora_dropout[name]
+        if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0:
+            return None
+        if self.lora_A[name].weight.dtype != x.dtype or self.lora_B[name].weight.dtype != x.dtype:
+            return None
+        return name
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        name = self._fused_adapter(x)
+        if name is not None:
+            base = self.base_layer
+            return fp4_lora_matmul(x, base.weight_packed, base.weight_scale, base.weight_global_scale, base.bias,
+                                   self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
         result = self.base_layer(x)
         if self.disable_adapters:
             return result

@@ -13,8 +13,8 @@ Layout (compressed-tensors NVFP4): weight_packed uint8 (N, K/2), column 2j in th
 sign bit (8) | index into {0, .5, 1, 1.5, 2, 3, 4, 6}; weight_scale float8_e4m3fn (N, K/16); weight_global_scale
 float32 (1,); W = e2m1 * scale / global_scale.
 
-The unpacking uses a lookup through `prmt` byte permutes in inline PTX (8 weights from one 32-bit word in ~19
-instructions, sm_80+); `USE_ASM=False` selects a plain-Triton decode of the same numbers (slower; kept as the
+The unpacking uses a lookup through `prmt` byte permutes in inline PTX (8 weights from one 32-bit word in 19
+instructions, sm_80+, written straight as the bf16 pairs the tensor-core operand holds); `USE_ASM=False` selects a plain-Triton decode of the same numbers (slower; kept as the
 readable reference and for Triton's CPU interpreter).
 """
 from __future__ import annotations
@@ -32,36 +32,31 @@ GROUP = 16
 
 # The 8 E2M1 magnitudes as bf16 bit patterns, split into high and low bytes and packed as prmt lookup tables:
 # 0, .5, 1, 1.5 | 2, 3, 4, 6  ->  0x0000 0x3F00 0x3F80 0x3FC0 | 0x4000 0x4040 0x4080 0x40C0
+# One call: 4 packed bytes ($4) -> 4 registers, register j = [bf16(low nibble of byte j), bf16(high nibble)] (the
+# two consecutive-k weights of byte j, already in the order the tensor-core operand wants: no repacking after),
+# each multiplied by the bf16 group scale that $5..$8 carry duplicated in both halves.
 _E2M1_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 m, m16, r4, ha, la, hb, lb, sa, sb, s01, s23, t0, t1, t2, t3, th0, th1, tl0, tl1, msk, nz;
-mov.b32 s01, $5;
-mov.b32 s23, $6;
-mov.b32 th0, 0x3F3F3F00;
-mov.b32 th1, 0x40404040;
-mov.b32 tl0, 0xC0800000;
-mov.b32 tl1, 0xC0804000;
-mov.b32 msk, 0x80808080;
-mov.b32 nz, 0x80008000;
+.reg .b32 m, m16, r4, ha, la, hb, lb, sa, sb, t0, t1, t2, t3;
 and.b32 m, $4, 0x77777777;
 shr.u32 m16, m, 16;
 shl.b32 r4, $4, 4;
-prmt.b32 ha, th0, th1, m;
-prmt.b32 la, tl0, tl1, m;
-prmt.b32 hb, th0, th1, m16;
-prmt.b32 lb, tl0, tl1, m16;
+prmt.b32 ha, 0x3F3F3F00, 0x40404040, m;
+prmt.b32 la, 0xC0800000, 0xC0804000, m;
+prmt.b32 hb, 0x3F3F3F00, 0x40404040, m16;
+prmt.b32 lb, 0xC0800000, 0xC0804000, m16;
 prmt.b32 sa, r4, $4, 0xD9C8;
 prmt.b32 sb, r4, $4, 0xFBEA;
-lop3.b32 ha, ha, sa, msk, 0xF8;
-lop3.b32 hb, hb, sb, msk, 0xF8;
-prmt.b32 t0, la, ha, 0x6240;
-prmt.b32 t2, la, ha, 0x7351;
-prmt.b32 t1, lb, hb, 0x6240;
-prmt.b32 t3, lb, hb, 0x7351;
-fma.rn.bf16x2 $0, t0, s01, nz;
-fma.rn.bf16x2 $1, t1, s23, nz;
-fma.rn.bf16x2 $2, t2, s01, nz;
-fma.rn.bf16x2 $3, t3, s23, nz;
+lop3.b32 ha, ha, sa, 0x80808080, 0xF8;
+lop3.b32 hb, hb, sb, 0x80808080, 0xF8;
+prmt.b32 t0, la, ha, 0x5140;
+prmt.b32 t1, la, ha, 0x7362;
+prmt.b32 t2, lb, hb, 0x5140;
+prmt.b32 t3, lb, hb, 0x7362;
+mul.rn.bf16x2 $0, t0, $5;
+mul.rn.bf16x2 $1, t1, $6;
+mul.rn.bf16x2 $2, t2, $7;
+mul.rn.bf16x2 $3, t3, $8;
 }
 """)
 
@@ -70,10 +65,12 @@ fma.rn.bf16x2 $3, t3, s23, nz;
 def _dequant_tile(p, s, BR: tl.constexpr, BC: tl.constexpr, USE_ASM: tl.constexpr):
     """Packed bytes p (BR, BC/2) uint8 + bf16 group scales s (BR, BC/16) -> e2m1 * scale (BR, BC) bf16 (exact)."""
     if USE_ASM:
-        s2 = tl.reshape(tl.broadcast_to(tl.expand_dims(s, 2), (BR, BC // 16, 8)), (BR, BC // 2))
-        lo, hi = tl.inline_asm_elementwise(
-            _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [p, s2],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        s2 = tl.reshape(tl.broadcast_to(tl.expand_dims(bits | (bits << 16), 2), (BR, BC // 16, 8)), (BR, BC // 2))
+        pair = tl.inline_asm_elementwise(
+            _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p, s2], dtype=tl.int32, is_pure=True, pack=4)
+        lo = pair.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         return tl.reshape(tl.join(lo, hi), (BR, BC))
     else:
         lo = (p & 0xF).to(tl.int32)
@@ -145,14 +142,39 @@ def _split_range(n_tiles, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _lora_tile(xa_ptr, lb_ptr, offs_m, offs_n, M, N, R, sxa, slb, lora_scale, RP: tl.constexpr):
+    """lora_scale * xa[offs_m] @ lora_b[offs_n].T in fp32: the LoRA update of one output tile (rank R <= RP)."""
+    offs_r = tl.arange(0, RP)
+    xa = tl.load(xa_ptr + offs_m[:, None].to(tl.int64) * sxa + offs_r[None, :],
+                 mask=(offs_m[:, None] < M) & (offs_r[None, :] < R), other=0)
+    lb = tl.load(lb_ptr + offs_n[:, None].to(tl.int64) * slb + offs_r[None, :],
+                 mask=(offs_n[:, None] < N) & (offs_r[None, :] < R), other=0)
+    return tl.dot(xa, tl.trans(lb)) * lora_scale
+
+
+@triton.jit
+def _epilogue(acc, b_ptr, xa_ptr, lb_ptr, offs_m, offs_n, M, N, R, sxa, slb, lora_scale,
+              HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr):
+    """The finished fp32 tile + bias + LoRA update (each optional)."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        acc += _lora_tile(xa_ptr, lb_ptr, offs_m, offs_n, M, N, R, sxa, slb, lora_scale, RP)
+    return acc
+
+
+@triton.jit
 def _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
-                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Store a (BM, BN) fp32 tile; with SPLIT > 1 the last of the SPLIT programs of `tile` adds up the partials."""
+                 xa_ptr, lb_ptr, R, sxa, slb, lora_scale,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 HAS_LORA: tl.constexpr, RP: tl.constexpr):
+    """Store a (BM, BN) fp32 tile (+ bias, + LoRA); with SPLIT > 1 the last of the SPLIT programs of `tile` adds
+    up the partials and applies the epilogue."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * som + offs_n[None, :] * son
     if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
+        acc = _epilogue(acc, b_ptr, xa_ptr, lb_ptr, offs_m, offs_n, M, N, R, sxa, slb, lora_scale,
+                        HAS_BIAS, HAS_LORA, RP)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tile_off = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
@@ -164,8 +186,8 @@ def _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M
             total = tl.zeros((BM, BN), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
                 total += tl.load(base + s * (BM * BN) + tile_off, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)[None, :]
+            total = _epilogue(total, b_ptr, xa_ptr, lb_ptr, offs_m, offs_n, M, N, R, sxa, slb, lora_scale,
+                              HAS_BIAS, HAS_LORA, RP)
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # re-arm for the next launch
 
@@ -173,10 +195,12 @@ def _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M
 @triton.jit
 def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
                    M, N, K, sxm, sxk, som, son, swn, ssn,
+                   xa_ptr, lb_ptr, R, sxa, slb, lora_scale,
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr,
-                   EVEN_M: tl.constexpr):
-    """out (M, N) = x (M, K) @ deq(W).T; program (tile, split) reduces K-tiles [split*T, (split+1)*T)."""
+                   EVEN_M: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr):
+    """out (M, N) = x (M, K) @ deq(W).T (+ bias) (+ lora_scale * xa @ lora_b.T); program (tile, split) reduces
+    K-tiles [split*T, (split+1)*T)."""
     tile, pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -194,7 +218,7 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
         acc = tl.dot(a, tl.trans(w), acc)
     acc = acc * (1.0 / tl.load(gs_ptr))
     _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
-                 HAS_BIAS, SPLIT, BM, BN)
+                 xa_ptr, lb_ptr, R, sxa, slb, lora_scale, HAS_BIAS, SPLIT, BM, BN, HAS_LORA, RP)
 
 
 @triton.jit
@@ -223,7 +247,7 @@ def _fp4_mm_t_kernel(g_ptr, wp_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
         acc = tl.dot(a, w, acc)
     acc = acc * (1.0 / tl.load(gs_ptr))
     _finish_tile(acc, out_ptr, out_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_k, M, K, som, sok,
-                 False, SPLIT, BM, BK)
+                 out_ptr, out_ptr, 0, 0, 0, 0.0, False, SPLIT, BM, BK, False, 16)
 
 
 class KernelConfig(NamedTuple):
@@ -264,10 +288,14 @@ DENSE_MIN_ROWS = 128
 
 
 def forward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
-    """Fused-kernel tiles per M bucket, from `python -m qerl.bench.kernels --sweep` on an H200: few rows are a
+    """Fused-kernel tiles per M bucket, from `python -m qerl.bench.kernels --sweep` (H200, then H100): few rows are a
     bandwidth problem (narrow tiles; split-K to fill every SM, more of it for long reductions)."""
     if M <= 16:
         bm, bn, bk, warps, stages, maxnreg = 16, 32, 256, 4, 4, 128
+    elif M <= 64 and N * K >= 1 << 25:
+        # large weights: one 64-row tile (Hopper wgmma, each weight dequantized once) beats two 32-row tiles that
+        # dequantize it twice (7B gate/up, M = 64, H100: 45.6 vs 54.3 us)
+        bm, bn, bk, warps, stages, maxnreg = 64, 64, 64, 4, 4, None
     elif M <= 64:
         bm, bn, bk, warps, stages, maxnreg = 32, 64, 256, 4, 3, None
     else:
@@ -341,12 +369,29 @@ def _use_dense(path: str, m: int, config, k_ok: bool = True) -> bool:
     return path == "dense" or (path == "auto" and config is None and (m >= DENSE_MIN_ROWS or not k_ok))
 
 
-def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=None, *,
-                      config: KernelConfig | None = None, use_asm: bool = True, path: str = "auto"):
-    """x (..., K) @ deq(W).T (+ bias) -> (..., N) in x.dtype; bf16 tensor cores (fp16 for fp16, tf32 for fp32).
+def _lora_operands(x2: torch.Tensor, lora_a, lora_b, n: int, k: int):
+    """(xa = x @ A.T, B) in x's dtype for the fused LoRA epilogue, after checking the adapter shapes."""
+    if (lora_a is None) != (lora_b is None):
+        raise QerlError("lora_a and lora_b: pass both or neither")
+    if lora_a is None:
+        return None, None
+    r = lora_a.shape[0]
+    if lora_a.ndim != 2 or lora_a.shape[1] != k or tuple(lora_b.shape) != (n, r):
+        raise QerlError(f"lora_a / lora_b: expected ({'r'}, {k}) and ({n}, r), got {tuple(lora_a.shape)} and "
+                        f"{tuple(lora_b.shape)}")
+    xa = x2 @ lora_a.to(x2.dtype).T
+    return xa, lora_b.to(x2.dtype).contiguous()
 
-    path: "fused" (one Triton kernel), "dense" (chunked dequantize + cuBLAS) or "auto" (dense from
-    DENSE_MIN_ROWS rows on)."""
+
+def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=None, lora_a=None, lora_b=None,
+                      lora_scale: float = 1.0, *, config: KernelConfig | None = None, use_asm: bool = True,
+                      path: str = "auto"):
+    """x (..., K) @ deq(W).T (+ bias) (+ lora_scale * (x @ lora_a.T) @ lora_b.T) -> (..., N) in x.dtype; bf16
+    tensor cores (fp16 for fp16, tf32 for fp32).
+
+    The LoRA update (lora_a (r, K), lora_b (N, r), computed in x's dtype) is added in the kernel's epilogue, so a
+    LoRA layer costs one small GEMM (x @ A.T) and no separate B GEMM or add. path: "fused" (one Triton kernel),
+    "dense" (chunked dequantize + cuBLAS) or "auto" (dense from DENSE_MIN_ROWS rows on)."""
     n, k = _check(x, weight_packed, weight_scale, weight_global_scale, 1, "x")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -354,11 +399,14 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
+    xa, lb = _lora_operands(x2, lora_a, lora_b, n, k)
     if _use_dense(path, m, config):
         from qerl.quant.triton_dequant import dense_fp4_matmul
 
-        return dense_fp4_matmul(x2, weight_packed, weight_scale, weight_global_scale, bias, out,
-                                use_asm).reshape(*lead, n)
+        out = dense_fp4_matmul(x2, weight_packed, weight_scale, weight_global_scale, bias, out, use_asm)
+        if xa is not None:
+            out.addmm_(xa, lb.T, alpha=lora_scale)
+        return out.reshape(*lead, n)
     cfg = config or forward_config(m, n, k, x.device)
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     part, cnt = _workspace(x.device, tiles * cfg.split * cfg.bm * cfg.bn if cfg.split > 1 else 0, tiles)
@@ -366,11 +414,14 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
     ws = weight_scale.contiguous().view(torch.uint8)
     gs = weight_global_scale.reshape(1).to(torch.float32)
     b = bias.contiguous() if bias is not None else out
+    r = 0 if xa is None else xa.shape[1]
     _fp4_mm_kernel[(tiles, cfg.split)](
         x2, wp, ws, gs, b, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
         wp.stride(0), ws.stride(0),
+        out if xa is None else xa, out if lb is None else lb, r, r, r, float(lora_scale),
         HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
-        USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, num_warps=cfg.warps, num_stages=cfg.stages,
+        USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, HAS_LORA=xa is not None,
+        RP=max(16, triton.next_power_of_2(max(r, 1))), num_warps=cfg.warps, num_stages=cfg.stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.reshape(*lead, n)
 

@@ -88,3 +88,34 @@ def test_saved_adapter_is_standard_peft_and_loads_on_bf16_and_fp4(fp4_peft, nvfp
 def test_merge_in_place_is_refused(fp4_peft):
     with pytest.raises(NotImplementedError, match="merge_adapter"):
         fp4_peft.merge_and_unload()
+
+
+def test_inference_forward_fuses_the_adapter_into_one_op(fp4_peft, monkeypatch):
+    """Without autograd, with adapter weights in the activation dtype, each FP4 LoRA layer is one
+    qerl::fp4_lora_matmul call (CUDA: LoRA B in the FP4 kernel's epilogue) with the same result as the separate
+    modules; with autograd, dropout active or other dtypes it falls back to peft's path."""
+    import qerl.quant.lora as lora_mod
+
+    calls = []
+    real = lora_mod.fp4_lora_matmul
+    monkeypatch.setattr(lora_mod, "fp4_lora_matmul", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        fused = fp4_peft(IDS).logits
+    assert len(calls) == 14
+    calls.clear()
+    with torch.enable_grad():
+        ref = fp4_peft(IDS).logits
+    assert not calls
+    torch.testing.assert_close(fused, ref.detach(), rtol=1e-5, atol=1e-5)
+
+    layer = next(m for m in fp4_peft.modules() if isinstance(m, FP4LoraLinear))
+    x = torch.randn(3, layer.in_features)
+    assert layer._fused_adapter(x.double()) is None  # adapter fp32, input fp64: peft's own casts
+    layer.lora_dropout["default"] = torch.nn.Dropout(0.5)
+    layer.lora_dropout["default"].train()
+    with torch.no_grad():
+        assert layer._fused_adapter(x) is None
+        layer.lora_dropout["default"].eval()
+        assert layer._fused_adapter(x) == "default"
+        with fp4_peft.disable_adapter():
+            assert layer._fused_adapter(x) is None

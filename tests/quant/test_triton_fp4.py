@@ -92,6 +92,38 @@ def test_other_dtypes_bias_and_leading_dims(tf, dtype, tol, rows):
     assert frob < tol, f"grad_input rel err {frob:.2e}"
 
 
+@pytest.mark.parametrize("rank", [8, 32, 48])  # 48: not a power of two (masked rank columns)
+@pytest.mark.parametrize("rows", [1, 16, 64, 300])  # split-K, one-split and dense (addmm) paths
+def test_lora_epilogue_matches_float64(tf, rank, rows):
+    n, k = 3584, 3584
+    packed, scale, gs = _random_fp4(n, k, seed=rank + rows)
+    w64 = dequantize_nvfp4(packed, scale, gs, torch.float64)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    b = torch.randn(n, rank, device="cuda", dtype=torch.bfloat16)
+    out = tf.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.75)
+    xa = (x.double() @ a.double().T).to(torch.bfloat16).double()  # the kernel's x @ A.T is a bf16 GEMM
+    lora = 0.75 * xa @ b.double().T
+    ref = x.double() @ w64.T + bias.double() + lora
+    frob, worst = _rel_err(out, ref)
+    assert frob < 5e-3 and worst < 2e-2, f"rows {rows} rank {rank}: rel err {frob:.2e}, max {worst:.2e}"
+    # the update is not lost in the noise: without it the error is the LoRA term's own size
+    assert _rel_err(out - lora.to(out.dtype), ref - lora)[0] < 5e-3
+    assert (lora.norm() / ref.norm()).item() > 0.1
+
+
+def test_lora_dispatch_on_cuda_equals_the_kernel(tf):
+    from qerl.quant.kernels import fp4_lora_matmul
+
+    packed, scale, gs = _random_fp4(256, 512, seed=6)
+    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, 16, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fp4_lora_matmul(x, packed, scale, gs, None, a, b, 2.0),
+                       tf.fp4_matmul_triton(x, packed, scale, gs, None, a, b, 2.0))
+
+
 def test_split_k_is_deterministic_and_rearms_its_counters(tf):
     """Split-K partials are summed in a fixed order by the last program; repeated calls give identical bits."""
     n, k = 512, 3584
