@@ -250,6 +250,27 @@ def _fp4_mm_t_kernel(g_ptr, wp_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
                  out_ptr, out_ptr, 0, 0, 0, 0.0, False, SPLIT, BM, BK, False, 16)
 
 
+@triton.jit
+def _small_mm_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    """out (M, N) = x (M, K) @ w (N, K).T for few rows and a narrow dense w (a LoRA A): one launch, split-K
+    partials summed by the last program (cuBLAS takes a GEMM plus a separate split-K reduction kernel)."""
+    tile, pid_m, pid_n = _tile_ids(M, N, BM, BN, 1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    kt0, kt1 = _split_range(tl.cdiv(K, BK), SPLIT)
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kt in range(kt0, kt1):
+        ks = kt * BK + offs_k
+        a = _load_rows(x_ptr, offs_m, ks, M, K, sxm, sxk, EVEN_M, EVEN_K)
+        w = _load_rows(w_ptr, offs_n, ks, N, K, swn, swk, EVEN_N, EVEN_K)
+        acc = tl.dot(a, tl.trans(w), acc)
+    _finish_tile(acc, out_ptr, out_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
+                 out_ptr, out_ptr, 0, 0, 0, 0.0, False, SPLIT, BM, BN, False, 16)
+
+
 class KernelConfig(NamedTuple):
     """Tile shape and launch knobs of one kernel call (bm rows of x, bn/bk as named by each kernel)."""
     bm: int
@@ -379,8 +400,33 @@ def _lora_operands(x2: torch.Tensor, lora_a, lora_b, n: int, k: int):
     if lora_a.ndim != 2 or lora_a.shape[1] != k or tuple(lora_b.shape) != (n, r):
         raise QerlError(f"lora_a / lora_b: expected ({'r'}, {k}) and ({n}, r), got {tuple(lora_a.shape)} and "
                         f"{tuple(lora_b.shape)}")
-    xa = x2 @ lora_a.to(x2.dtype).T
-    return xa, lora_b.to(x2.dtype).contiguous()
+    return small_matmul(x2, lora_a.to(x2.dtype)), lora_b.to(x2.dtype).contiguous()
+
+
+SMALL_MM_MAX_ROWS = 64
+
+
+def small_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 (M, K) @ w (N, K).T in x2's dtype: `_small_mm_kernel` for M <= SMALL_MM_MAX_ROWS and N <= 256 in
+    bf16/fp16 on CUDA (a LoRA A at decode: ~2 kernels of cuBLAS become one), torch.matmul otherwise."""
+    m, k = x2.shape
+    n = w.shape[0]
+    if (not x2.is_cuda or m > SMALL_MM_MAX_ROWS or n > 256 or x2.dtype not in (torch.bfloat16, torch.float16)
+            or w.dtype != x2.dtype):
+        return x2 @ w.T
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn = max(16, min(64, triton.next_power_of_2(n)))
+    bk = _k_block(k, 256 if bm <= 32 else 128)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_tiles = triton.cdiv(k, bk)
+    split = max(1, min(k_tiles, _target_programs(x2.device) // (2 * tiles), 64))
+    part, cnt = _workspace(x2.device, tiles * split * bm * bn if split > 1 else 0, tiles)
+    _small_mm_kernel[(tiles, split)](
+        x2, w, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0),
+        out.stride(1), BM=bm, BN=bn, BK=bk, SPLIT=split, EVEN_K=k % bk == 0, EVEN_M=m % bm == 0,
+        EVEN_N=n % bn == 0, num_warps=4, num_stages=3)
+    return out
 
 
 def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=None, lora_a=None, lora_b=None,
