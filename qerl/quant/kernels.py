@@ -108,34 +108,51 @@ def fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None):
 
 
 def reference_fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
-                              lora_scale: float):
-    """fp4_matmul + lora_scale * (x @ lora_a.T) @ lora_b.T, the LoRA part in x's dtype (as peft computes it)."""
-    out = reference_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias)
-    return out + (x @ lora_a.to(x.dtype).T) @ lora_b.to(x.dtype).T * lora_scale
+                              lora_scale: float, segments=None):
+    """fp4_matmul + lora_scale * (x @ A.T) @ B.T, the LoRA part in x's dtype (as peft computes it); with
+    `segments`, W / global scale / A stack one block per segment (see fp4_lora_matmul)."""
+    n, r = weight_packed.shape[0], lora_b.shape[-1]
+    segments = list(segments or [n])
+    gs = weight_global_scale.reshape(-1)
+    outs, start = [], 0
+    for i, size in enumerate(segments):
+        rows = slice(start, start + size)
+        out = reference_fp4_matmul(x, weight_packed[rows], weight_scale[rows], gs[i:i + 1],
+                                   None if bias is None else bias[rows])
+        xa = x @ lora_a[i * r:(i + 1) * r].to(x.dtype).T
+        outs.append(out + xa @ lora_b[rows].to(x.dtype).T * lora_scale)
+        start += size
+    return torch.cat(outs, dim=-1)
 
 
 @torch.library.custom_op("qerl::fp4_lora_matmul", mutates_args=())
 def _fp4_lora_matmul_op(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                         weight_global_scale: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                        lora_b: torch.Tensor, lora_scale: float) -> torch.Tensor:
+                        lora_b: torch.Tensor, lora_scale: float, segments: list[int]) -> torch.Tensor:
     kernel = _use_triton(x, weight_scale, "_triton_fp4_matmul")
     if kernel is not None:
-        return kernel(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale)
+        return kernel(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale,
+                      segments=segments)
     return reference_fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
-                                     lora_scale)
+                                     lora_scale, segments)
 
 
 @_fp4_lora_matmul_op.register_fake
-def _(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale):
+def _(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale, segments):
     return x.new_empty(*x.shape[:-1], weight_packed.shape[0])
 
 
-def fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale):
+def fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale,
+                    segments=None):
     """Inference-only x @ deq(W).T (+ bias) + lora_scale * (x @ A.T) @ B.T as one op (qerl::fp4_lora_matmul): on
     CUDA the B product is added in the FP4 kernel's epilogue (one small GEMM for x @ A.T, no B GEMM, no add
-    kernel). It has no autograd formula: training goes through FP4Linear + peft's separate adapter modules."""
+    kernel). It has no autograd formula: training goes through FP4Linear + peft's separate adapter modules.
+
+    segments: sizes along N of up to three layers that read the same x, stacked in W (rows), the global scale
+    (one per segment), A (one (r, K) block per segment) and B (rows): q/k/v or gate/up in one launch."""
+    n = weight_packed.shape[0]
     return _fp4_lora_matmul_op(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
-                               float(lora_scale))
+                               float(lora_scale), [int(v) for v in (segments or [n])])
 
 
 def fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale):

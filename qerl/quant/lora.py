@@ -69,6 +69,11 @@ class FP4LoraLinear(nn.Module, LoraLayer):
         return name
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        grouped = getattr(self, "_qerl_group", None)  # set by qerl.quant.grouped.ProjectionGroup
+        if grouped is not None:
+            out = grouped[0].member_forward(grouped[1], x)
+            if out is not None:
+                return out
         name = self._fused_adapter(x)
         if name is not None:
             base = self.base_layer

@@ -149,6 +149,8 @@ def _lora_tile(xa_ptr, lb_ptr, offs_m, offs_n, M, N, R, sxa, slb, lora_scale, RP
                  mask=(offs_m[:, None] < M) & (offs_r[None, :] < R), other=0)
     lb = tl.load(lb_ptr + offs_n[:, None].to(tl.int64) * slb + offs_r[None, :],
                  mask=(offs_n[:, None] < N) & (offs_r[None, :] < R), other=0)
+    if xa.dtype == tl.float32:  # fp32 adapters: full precision, as torch computes them (tf32 off)
+        return tl.dot(xa, tl.trans(lb), input_precision="ieee") * lora_scale
     return tl.dot(xa, tl.trans(lb)) * lora_scale
 
 
@@ -195,12 +197,15 @@ def _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M
 @triton.jit
 def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
                    M, N, K, sxm, sxk, som, son, swn, ssn,
-                   xa_ptr, lb_ptr, R, sxa, slb, lora_scale,
+                   xa_ptr, lb_ptr, R, sxa, slb, lora_scale, N1, N2,
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr,
                    EVEN_M: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr):
     """out (M, N) = x (M, K) @ deq(W).T (+ bias) (+ lora_scale * xa @ lora_b.T); program (tile, split) reduces
-    K-tiles [split*T, (split+1)*T)."""
+    K-tiles [split*T, (split+1)*T).
+
+    W may stack up to three weights along N (rows [0, N1), [N1, N2), [N2, N): e.g. q, k and v), each with its own
+    global scale gs[seg] and its own LoRA A columns xa[:, seg*R:(seg+1)*R]; BN divides N1 and N2."""
     tile, pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -216,9 +221,10 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
         if a.dtype != tl.bfloat16:
             w = w.to(a.dtype)  # exact: e2m1 * fp8 scale fits fp16 and fp32
         acc = tl.dot(a, tl.trans(w), acc)
-    acc = acc * (1.0 / tl.load(gs_ptr))
+    seg = (pid_n * BN >= N1).to(tl.int32) + (pid_n * BN >= N2).to(tl.int32)
+    acc = acc * (1.0 / tl.load(gs_ptr + seg))
     _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
-                 xa_ptr, lb_ptr, R, sxa, slb, lora_scale, HAS_BIAS, SPLIT, BM, BN, HAS_LORA, RP)
+                 xa_ptr + seg * R, lb_ptr, R, sxa, slb, lora_scale, HAS_BIAS, SPLIT, BM, BN, HAS_LORA, RP)
 
 
 @triton.jit
@@ -358,7 +364,8 @@ def _workspace(device: torch.device, part_elems: int, tiles: int) -> tuple[torch
     return part, cnt
 
 
-def _check(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, dim: int, name: str):
+def _check(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, dim: int, name: str,
+           segments=None):
     if weight_packed.dtype != torch.uint8 or weight_packed.ndim != 2:
         raise QerlError(f"weight_packed: expected a 2-D uint8 tensor, got {weight_packed.dtype} "
                         f"{tuple(weight_packed.shape)}")
@@ -366,7 +373,7 @@ def _check(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, di
     if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // GROUP):
         raise QerlError(f"weight_scale: expected float8_e4m3fn {(n, k // GROUP)}, got {weight_scale.dtype} "
                         f"{tuple(weight_scale.shape)}")
-    if weight_global_scale.numel() != 1:
+    if segments is None and weight_global_scale.numel() != 1:
         raise QerlError(f"weight_global_scale: expected one element, got shape {tuple(weight_global_scale.shape)}")
     if a.shape[-1] != (k if dim == 1 else n):
         raise QerlError(f"{name}: last dim {a.shape[-1]} does not match the weight ({n}, {k}) "
@@ -390,17 +397,30 @@ def _use_dense(path: str, m: int, config, k_ok: bool = True) -> bool:
     return path == "dense" or (path == "auto" and config is None and (m >= DENSE_MIN_ROWS or not k_ok))
 
 
-def _lora_operands(x2: torch.Tensor, lora_a, lora_b, n: int, k: int):
-    """(xa = x @ A.T, B) in x's dtype for the fused LoRA epilogue, after checking the adapter shapes."""
+def _lora_operands(x2: torch.Tensor, lora_a, lora_b, n: int, k: int, n_segments: int = 1):
+    """(xa = x @ A.T, B) in x's dtype for the fused LoRA epilogue, after checking the adapter shapes (A stacks
+    one (r, K) block per segment)."""
     if (lora_a is None) != (lora_b is None):
         raise QerlError("lora_a and lora_b: pass both or neither")
     if lora_a is None:
         return None, None
-    r = lora_a.shape[0]
-    if lora_a.ndim != 2 or lora_a.shape[1] != k or tuple(lora_b.shape) != (n, r):
-        raise QerlError(f"lora_a / lora_b: expected ({'r'}, {k}) and ({n}, r), got {tuple(lora_a.shape)} and "
-                        f"{tuple(lora_b.shape)}")
+    r = lora_b.shape[-1]
+    if lora_a.ndim != 2 or tuple(lora_a.shape) != (n_segments * r, k) or tuple(lora_b.shape) != (n, r):
+        raise QerlError(f"lora_a / lora_b: expected ({n_segments} x r, {k}) and ({n}, r), got "
+                        f"{tuple(lora_a.shape)} and {tuple(lora_b.shape)}")
     return small_matmul(x2, lora_a.to(x2.dtype)), lora_b.to(x2.dtype).contiguous()
+
+
+def _segment_bounds(segments, n: int, weight_global_scale: torch.Tensor) -> tuple[int, int]:
+    """(N1, N2) of at most three stacked weights along N; (n, n) for one."""
+    segments = [int(v) for v in (segments or [n])]
+    if not 1 <= len(segments) <= 3 or sum(segments) != n or min(segments) <= 0:
+        raise QerlError(f"segments: expected 1-3 positive sizes adding up to N = {n}, got {segments}")
+    if weight_global_scale.numel() != len(segments):
+        raise QerlError(f"weight_global_scale: expected one per segment ({len(segments)}), got "
+                        f"{weight_global_scale.numel()}")
+    bounds = [sum(segments[:i + 1]) for i in range(len(segments) - 1)] + [n, n]
+    return bounds[0], bounds[1]
 
 
 SMALL_MM_MAX_ROWS = 64
@@ -430,41 +450,53 @@ def small_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=None, lora_a=None, lora_b=None,
-                      lora_scale: float = 1.0, *, config: KernelConfig | None = None, use_asm: bool = True,
-                      path: str = "auto"):
+                      lora_scale: float = 1.0, *, segments=None, config: KernelConfig | None = None,
+                      use_asm: bool = True, path: str = "auto"):
     """x (..., K) @ deq(W).T (+ bias) (+ lora_scale * (x @ lora_a.T) @ lora_b.T) -> (..., N) in x.dtype; bf16
     tensor cores (fp16 for fp16, tf32 for fp32).
 
     The LoRA update (lora_a (r, K), lora_b (N, r), computed in x's dtype) is added in the kernel's epilogue, so a
-    LoRA layer costs one small GEMM (x @ A.T) and no separate B GEMM or add. path: "fused" (one Triton kernel),
-    "dense" (chunked dequantize + cuBLAS) or "auto" (dense from DENSE_MIN_ROWS rows on)."""
-    n, k = _check(x, weight_packed, weight_scale, weight_global_scale, 1, "x")
+    LoRA layer costs one small GEMM (x @ A.T) and no separate B GEMM or add. `segments` (sizes along N, at most
+    three) stacks several weights that read the same x (q/k/v, gate/up) into one launch: one global scale per
+    segment, lora_a stacks one (r, K) block per segment. path: "fused" (one Triton kernel), "dense" (chunked
+    dequantize + cuBLAS) or "auto" (dense from DENSE_MIN_ROWS rows on)."""
+    n, k = _check(x, weight_packed, weight_scale, weight_global_scale, 1, "x", segments)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
-    xa, lb = _lora_operands(x2, lora_a, lora_b, n, k)
+    n1, n2 = _segment_bounds(segments, n, weight_global_scale)
+    xa, lb = _lora_operands(x2, lora_a, lora_b, n, k, len(segments or [n]))
     if _use_dense(path, m, config):
         from qerl.quant.triton_dequant import dense_fp4_matmul
 
-        out = dense_fp4_matmul(x2, weight_packed, weight_scale, weight_global_scale, bias, out, use_asm)
-        if xa is not None:
-            out.addmm_(xa, lb.T, alpha=lora_scale)
+        r = 0 if lb is None else lb.shape[1]
+        for i, (a, b) in enumerate(((0, n1), (n1, n2), (n2, n))):
+            if b > a:
+                dense_fp4_matmul(x2, weight_packed[a:b], weight_scale[a:b], weight_global_scale.reshape(-1)[i],
+                                 None if bias is None else bias[a:b], out[:, a:b], use_asm)
+                if xa is not None:
+                    out[:, a:b].addmm_(xa[:, i * r:(i + 1) * r], lb[a:b].T, alpha=lora_scale)
         return out.reshape(*lead, n)
     cfg = config or forward_config(m, n, k, x.device)
+    while cfg.bn > 16 and (n1 % cfg.bn or n2 % cfg.bn):  # every program's columns inside one segment
+        cfg = cfg._replace(bn=cfg.bn // 2)
+    if n1 % cfg.bn or n2 % cfg.bn:
+        raise QerlError(f"segments: boundaries {n1}, {n2} must be multiples of 16")
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     part, cnt = _workspace(x.device, tiles * cfg.split * cfg.bm * cfg.bn if cfg.split > 1 else 0, tiles)
     wp = weight_packed.contiguous()
     ws = weight_scale.contiguous().view(torch.uint8)
-    gs = weight_global_scale.reshape(1).to(torch.float32)
+    gs = weight_global_scale.reshape(-1).to(torch.float32)
     b = bias.contiguous() if bias is not None else out
-    r = 0 if xa is None else xa.shape[1]
+    r = 0 if xa is None else lb.shape[1]
     _fp4_mm_kernel[(tiles, cfg.split)](
         x2, wp, ws, gs, b, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
         wp.stride(0), ws.stride(0),
-        out if xa is None else xa, out if lb is None else lb, r, r, r, float(lora_scale),
+        out if xa is None else xa, out if lb is None else lb, r, 0 if xa is None else xa.stride(0), r,
+        float(lora_scale), n1, n2,
         HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
         USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, HAS_LORA=xa is not None,
         RP=max(16, triton.next_power_of_2(max(r, 1))), num_warps=cfg.warps, num_stages=cfg.stages,

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from qerl.errors import QerlError
+from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
 from qerl.rollout.attention import attention_implementation
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
 from qerl.rollout.sampling import StopChecker, row_uniforms, sample_tokens
@@ -39,10 +40,13 @@ class TorchEngine(RolloutEngine):
     lora_dtype: LoRA adapter weights kept in another dtype than the model computes in (peft upcasts them to fp32
     for training) are used in this dtype during a call, through copies refreshed at every call ("auto" = the
     model's compute dtype on CUDA, None = as they are): rollouts then run LoRA on bf16 tensor cores like vLLM.
+    fuse_projections: FP4 LoRA layers that read the same input (q/k/v, gate/up) run as one kernel during calls
+    (qerl.quant.grouped; True, False or "auto" = on CUDA); the model stays trainable as before.
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int | None = None, use_cuda_graph="auto",
-                 cache: str = "auto", eos_token_ids=None, compile="auto", lora_dtype="auto"):
+                 cache: str = "auto", eos_token_ids=None, compile="auto", lora_dtype="auto",
+                 fuse_projections="auto"):
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise QerlError(f"TorchEngine.max_batch_size: expected None or an int >= 1, got {max_batch_size!r}")
         if cache not in ("auto", "dynamic", "static"):
@@ -70,6 +74,11 @@ class TorchEngine(RolloutEngine):
             raise QerlError(f"TorchEngine.lora_dtype: expected None, 'auto' or a torch.dtype, got {lora_dtype!r}")
         self.lora_dtype = (_compute_dtype(model) if on_cuda else None) if lora_dtype == "auto" else lora_dtype
         self._shadows: dict[int, torch.nn.Parameter] = {}  # id(adapter weight) -> its copy in lora_dtype
+        if fuse_projections not in (True, False, "auto"):
+            raise QerlError(f"TorchEngine.fuse_projections: expected True, False or 'auto', got {fuse_projections!r}")
+        fuse = fuse_projections is True or (fuse_projections == "auto" and on_cuda)
+        self._groups = group_projections(model) if fuse else []
+        self.stats["projection_groups"] = len(self._groups)
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompt_ids, n: int = 1, sampling: SamplingParams | None = None) -> RolloutOutput:
@@ -78,7 +87,8 @@ class TorchEngine(RolloutEngine):
         base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         group = len(prompts) if self.max_batch_size is None else max(1, self.max_batch_size // n)
         rows: list[tuple[list[int], list[float], str]] = []
-        with _inference_mode(self.model), self._lora_in_compute_dtype():
+        with _inference_mode(self.model), self._lora_in_compute_dtype(), \
+                projections_fused(self._groups, _compute_dtype(self.model)):
             for start in range(0, len(prompts), group):
                 chunk = prompts[start:start + group]
                 rows += self._generate_group(chunk, n, sampling, base_seed, first_row=start * n)
@@ -88,7 +98,8 @@ class TorchEngine(RolloutEngine):
             finish_reasons=[r[2] for r in rows], stats=dict(self.stats))
 
     def close(self) -> None:
-        self._forward, self._decoder, self._shadows = None, None, {}
+        ungroup_projections(self._groups)
+        self._forward, self._decoder, self._shadows, self._groups = None, None, {}, []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -1,0 +1,124 @@
+"""Projection groups (q/k/v, gate/up as one stacked FP4 call at inference) against the separate layers."""
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import get_peft_model
+
+from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
+from qerl.quant.loader import load_quantized_model
+from qerl.quant.lora import FP4LoraLinear, fp4_lora_config
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+IDS = torch.tensor([[5, 77, 1000, 31, 2, 640, 9, 12], [8, 1, 300, 4000, 12, 6, 90, 3]])
+
+
+def _peft(nvfp4_dir, **overrides):
+    torch.manual_seed(0)
+    kwargs = dict(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False) | overrides
+    return get_peft_model(load_quantized_model(nvfp4_dir), fp4_lora_config(**kwargs))
+
+
+def _count_calls(monkeypatch):
+    import qerl.quant.grouped as grouped_mod
+    import qerl.quant.lora as lora_mod
+
+    calls = []
+    for mod in (grouped_mod, lora_mod):
+        real = mod.fp4_lora_matmul
+        monkeypatch.setattr(mod, "fp4_lora_matmul",
+                            lambda *a, real=real, mod=mod: calls.append(mod.__name__) or real(*a))
+    return calls
+
+
+def test_grouped_inference_equals_separate_layers_in_fewer_calls(nvfp4_dir, monkeypatch):
+    model = _peft(nvfp4_dir)
+    layers = [m for m in model.modules() if isinstance(m, FP4LoraLinear)]
+    with torch.no_grad():
+        ref = model(IDS).logits
+    before = {id(m): m.base_layer.weight_packed.clone() for m in layers}
+    groups = group_projections(model)
+    n_layers = len(model.base_model.model.model.layers)
+    assert len(groups) == 2 * n_layers and [len(g.members) for g in groups[:2]] == [3, 2]
+    q, k, v = groups[0].members
+    # members hold views of one stacked tensor: nothing copied twice, values unchanged
+    stacked = groups[0].stacked["weight_packed"]
+    assert k.base_layer.weight_packed.data_ptr() == stacked.data_ptr() + q.base_layer.weight_packed.numel()
+    assert all(torch.equal(m.base_layer.weight_packed, before[id(m)]) for m in layers)
+
+    calls = _count_calls(monkeypatch)
+    with torch.no_grad(), projections_fused(groups, torch.float32):
+        fused = model(IDS).logits
+    # per layer: q|k|v and gate|up stacked, o and down alone = 4 calls instead of 7
+    assert calls.count("qerl.quant.grouped") == 2 * n_layers and len(calls) == 4 * n_layers
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+
+    calls.clear()
+    with projections_fused(groups, torch.float32):  # autograd on: the training path, untouched
+        out = model(IDS).logits
+    assert not calls.count("qerl.quant.grouped")
+    out.square().mean().backward()
+    assert q.lora_B["default"].weight.grad is not None and k.lora_A["default"].weight.grad is not None
+    with torch.no_grad():
+        model(IDS)  # outside the context: separate layers
+    assert not calls.count("qerl.quant.grouped")
+
+    ungroup_projections(groups)
+    assert all(torch.equal(m.base_layer.weight_packed, before[id(m)]) for m in layers)
+    assert k.base_layer.weight_packed.data_ptr() != stacked.data_ptr() + q.base_layer.weight_packed.numel()
+    assert not any("_qerl_group" in m.__dict__ for m in layers)
+
+
+def test_adapter_changes_reach_the_stacked_copies(nvfp4_dir):
+    model = _peft(nvfp4_dir)
+    groups = group_projections(model)
+    k = groups[0].members[1]
+    with torch.no_grad():
+        k.lora_B["default"].weight.mul_(3.0)  # a training step happened
+        ref = model(IDS).logits
+        with projections_fused(groups, torch.float32):
+            fused = model(IDS).logits
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_different_input_or_order_computes_alone(nvfp4_dir):
+    model = _peft(nvfp4_dir)
+    group = group_projections(model)[0]
+    q, k, v = group.members
+    x = torch.randn(2, 3, q.in_features)
+    with torch.no_grad(), projections_fused([group], torch.float32):
+        ref_k = k.base_layer(x) + k.lora_B["default"](k.lora_A["default"](x)) * k.scaling["default"]
+        torch.testing.assert_close(k(x), ref_k)  # k first: no stacked output to take from
+        q(x)
+        torch.testing.assert_close(k(x.clone()), ref_k)  # another tensor than q's input
+
+
+@pytest.mark.parametrize("overrides,sizes", [
+    (dict(rank_pattern={"k_proj": 8}), [2]),  # k's rank differs: q/k/v stay separate, gate/up still stack
+    (dict(target_modules=["q_proj", "v_proj"]), []),  # k and the MLP have no adapter: nothing to stack
+])
+def test_incompatible_layers_stay_separate(nvfp4_dir, overrides, sizes):
+    model = _peft(nvfp4_dir, **overrides)
+    n_layers = len(model.base_model.model.model.layers)
+    groups = group_projections(model)
+    assert sorted(len(g.members) for g in groups) == sorted(sizes * n_layers)
+
+
+def test_engine_decodes_the_same_tokens_with_groups(nvfp4_dir, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from qerl.rollout import SamplingParams
+    from qerl.rollout.torch_engine import TorchEngine
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [tok(t)["input_ids"] for t in ("2+2=", "The quick brown fox jumps")]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    model = _peft(nvfp4_dir)
+    ref = TorchEngine(model, tok, eos_token_ids=(), fuse_projections=False).generate(prompts, 2, greedy)
+    engine = TorchEngine(model, tok, eos_token_ids=(), fuse_projections=True)
+    out = engine.generate(prompts, 2, greedy)
+    assert out.stats["projection_groups"] == 2 * len(model.base_model.model.model.layers)
+    assert out.completion_ids == ref.completion_ids
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), rtol=1e-4, atol=1e-4)
+    engine.close()
+    assert not any("_qerl_group" in m.__dict__ for m in model.modules())
