@@ -1,4 +1,4 @@
-"""Projection groups: FP4 LoRA layers that read the same input (q/k/v, gate/up) run as one launch at inference.
+"""Projection groups: LoRA layers that read the same input (q/k/v, gate/up) run as one launch at inference.
 
     groups = group_projections(model)        # packed weights re-laid as one stacked tensor; members hold views
     with projections_fused(groups, torch.bfloat16):
@@ -7,16 +7,21 @@
 
 vLLM fuses these layers at load time (QKVParallelLinear, MergedColumnParallelLinear); here the model stays a
 transformers + peft model, trainable as before, and only inference calls inside `projections_fused` take the
-stacked path (`qerl.quant.kernels.fp4_lora_matmul` with `segments`): one FP4 launch and one x @ A.T launch per
-group instead of one each per layer. Each member keeps its own global scale and adapter. The first member computes
-the whole group when it is called; the others return their slice when called with the very same input tensor, and
-compute on their own otherwise (a model that calls them differently stays correct, only unfused).
+stacked path. FP4 bases (FP4LoraLinear): `qerl.quant.kernels.fp4_lora_matmul` with `segments`, one FP4 launch
+(LoRA B in its epilogue, one global scale per member) and one x @ A.T launch per group. Dense bases (peft's
+LoRA Linear over nn.Linear, e.g. the bf16 baseline): one cuBLAS GEMM over the stacked weight, one x @ A.T and one
+addmm with the block-diagonal stacked B, instead of four launches per layer. The first member computes the whole
+group when it is called; the others return their slice when called with the very same input tensor, and compute
+on their own otherwise (a model that calls them differently stays correct, only unfused).
 """
 from __future__ import annotations
 
 import contextlib
 
+import types
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qerl.quant.kernels import fp4_lora_matmul
@@ -25,23 +30,48 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _STACKED = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
+def _kind(module: nn.Module) -> str | None:
+    """"fp4" for an NVFP4 FP4LoraLinear, "dense" for peft's LoRA Linear over an nn.Linear, else None."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    from qerl.quant.lora import FP4LoraLinear
+
+    if isinstance(module, FP4LoraLinear):
+        return "fp4" if module.base_layer.fmt == "nvfp4" else None
+    if isinstance(module, LoraLinear) and type(module.base_layer) is nn.Linear and not module.merged:
+        return "dense"
+    return None
+
+
+def _grouped_dense_forward(self, x, *args, **kwargs):
+    """peft LoRA Linear.forward, taking the group's stacked output when there is one."""
+    grouped = self.__dict__["_qerl_group"]
+    out = grouped[0].member_forward(grouped[1], x) if not args and not kwargs else None
+    return out if out is not None else type(self).forward(self, x, *args, **kwargs)
+
+
 class ProjectionGroup:
     """Layers (FP4LoraLinear, one adapter, same rank and scaling) stacked along their outputs."""
 
     def __init__(self, members: list[nn.Module]):
         self.members = members
+        self.kind = _kind(members[0])
         self.sizes = [m.out_features for m in members]
         bases = [m.base_layer for m in members]
+        names = _STACKED if self.kind == "fp4" else ("weight",)
         self.stacked = {}
         with torch.no_grad():
-            for name in _STACKED:
+            for name in names:
                 parts = [getattr(b, name).reshape(1) if name == "weight_global_scale" else getattr(b, name)
                          for b in bases]
-                self.stacked[name] = torch.cat(parts)
+                self.stacked[name] = torch.cat([p.detach() for p in parts])
                 start = 0
                 for base, part in zip(bases, parts):
-                    view = self.stacked[name][start:start + part.shape[0]]
-                    base._buffers[name] = view.reshape(getattr(base, name).shape)
+                    view = self.stacked[name][start:start + part.shape[0]].reshape(getattr(base, name).shape)
+                    if self.kind == "fp4":
+                        base._buffers[name] = view
+                    else:
+                        base.weight.data = view  # the (frozen) Parameter object stays, its storage is shared
                     start += part.shape[0]
             self.bias = None if bases[0].bias is None else torch.cat([b.bias.detach() for b in bases])
         self.adapter = members[0].active_adapters[0]
@@ -52,14 +82,15 @@ class ProjectionGroup:
         self._outs = None
         for i, m in enumerate(members):
             m.__dict__["_qerl_group"] = (self, i)
+            if self.kind == "dense":
+                m.forward = types.MethodType(_grouped_dense_forward, m)
 
     @staticmethod
     def compatible(members: list[nn.Module]) -> bool:
-        """Same input size, device, bias presence, one common adapter with one rank and scaling, NVFP4 bases,
-        output sizes that a kernel tile boundary can separate (multiples of 16)."""
-        from qerl.quant.lora import FP4LoraLinear
-
-        if len(members) < 2 or not all(isinstance(m, FP4LoraLinear) for m in members):
+        """One kind (FP4 or dense base), same input size, device, dtype and bias presence, one common adapter
+        with one rank and scaling, output sizes that a kernel tile boundary can separate (multiples of 16)."""
+        kinds = {_kind(m) for m in members}
+        if len(members) < 2 or len(kinds) != 1 or None in kinds:
             return False
         first = members[0]
         if len(first.active_adapters) != 1:
@@ -68,20 +99,29 @@ class ProjectionGroup:
 
         def signature(m):
             base = m.base_layer
-            if name not in m.lora_A.keys() or list(m.active_adapters) != [name]:
+            if name not in m.lora_A.keys() or list(m.active_adapters) != [name] or name in m.lora_variant:
                 return None
-            return (base.fmt, base.in_features, base.weight_packed.device, base.bias is None,
-                    m.r[name], float(m.scaling[name]), m.out_features % 16 == 0)
+            data = base.weight_packed if hasattr(base, "weight_packed") else base.weight
+            return (base.in_features, data.device, data.dtype, base.bias is None, m.r[name],
+                    float(m.scaling[name]), m.out_features % 16 == 0)
 
         sigs = [signature(m) for m in members]
-        return sigs[0] is not None and sigs[0][0] == "nvfp4" and sigs[0][-1] and all(s == sigs[0] for s in sigs)
+        return sigs[0] is not None and sigs[0][-1] and all(s == sigs[0] for s in sigs)
 
     def refresh(self, dtype: torch.dtype) -> None:
         """Stack the members' current adapter weights in `dtype` (into the same buffers when shapes allow, so a
-        captured CUDA graph keeps reading valid addresses)."""
+        captured CUDA graph keeps reading valid addresses). Dense groups get B block-diagonal, so that one GEMM
+        over the stacked x @ A.T adds every member's update."""
         with torch.no_grad():
             a = torch.cat([m.lora_A[self.adapter].weight for m in self.members]).to(dtype)
             b = torch.cat([m.lora_B[self.adapter].weight for m in self.members]).to(dtype)
+            if self.kind == "dense":
+                r, start = b.shape[1], 0
+                diag = b.new_zeros(b.shape[0], r * len(self.members))
+                for i, size in enumerate(self.sizes):
+                    diag[start:start + size, i * r:(i + 1) * r] = b[start:start + size]
+                    start += size
+                b = diag
             if self.lora_a is None or self.lora_a.shape != a.shape or self.lora_a.dtype != dtype:
                 self.lora_a, self.lora_b = a, b
             else:
@@ -95,9 +135,7 @@ class ProjectionGroup:
         if index == 0:
             self._outs = self._x = None
             if self._usable(x):
-                out = fp4_lora_matmul(x, self.stacked["weight_packed"], self.stacked["weight_scale"],
-                                      self.stacked["weight_global_scale"], self.bias, self.lora_a, self.lora_b,
-                                      self.scaling, self.sizes)
+                out = self._stacked_forward(x)
                 self._outs, self._x = out.split(self.sizes, dim=-1), x
                 return self._outs[0]
             return None
@@ -107,6 +145,21 @@ class ProjectionGroup:
         if index == len(self.members) - 1:
             self._outs = self._x = None
         return out
+
+    def _stacked_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "fp4":
+            return fp4_lora_matmul(x, self.stacked["weight_packed"], self.stacked["weight_scale"],
+                                   self.stacked["weight_global_scale"], self.bias, self.lora_a, self.lora_b,
+                                   self.scaling, self.sizes)
+        x2 = x.reshape(-1, x.shape[-1])
+        out = F.linear(x2, self.stacked["weight"], self.bias)
+        if x2.is_cuda:
+            from qerl.quant.triton_fp4 import small_matmul
+
+            xa = small_matmul(x2, self.lora_a)
+        else:
+            xa = x2 @ self.lora_a.T
+        return torch.addmm(out, xa, self.lora_b.T, alpha=self.scaling).reshape(*x.shape[:-1], out.shape[-1])
 
     def _usable(self, x: torch.Tensor) -> bool:
         first = self.members[0]
@@ -122,16 +175,20 @@ class ProjectionGroup:
         """Give every member contiguous tensors of its own again and detach it from the group."""
         with torch.no_grad():
             for m in self.members:
-                for name in _STACKED:
-                    m.base_layer._buffers[name] = m.base_layer._buffers[name].clone()
+                if self.kind == "fp4":
+                    for name in _STACKED:
+                        m.base_layer._buffers[name] = m.base_layer._buffers[name].clone()
+                else:
+                    m.base_layer.weight.data = m.base_layer.weight.data.clone()
+                    m.__dict__.pop("forward", None)
                 m.__dict__.pop("_qerl_group", None)
         self.stacked, self.lora_a, self.lora_b, self._outs, self._x = {}, None, None, None, None
 
 
 def group_projections(model: nn.Module, groups=GROUPS) -> list[ProjectionGroup]:
-    """A ProjectionGroup for every module whose children named by one of `groups` are compatible FP4 LoRA
-    layers (peft-wrapped FP4Linear); other models get none. Memory: the packed weights move, nothing is copied
-    twice (the members' buffers become views of the stacked tensors)."""
+    """A ProjectionGroup for every module whose children named by one of `groups` are compatible LoRA layers
+    (all FP4LoraLinear, or all peft LoRA Linear over nn.Linear); other models get none. Memory: the weights move,
+    nothing is held twice (the members' weights become views of the stacked tensors)."""
     found = []
     for module in model.modules():
         for names in groups:

@@ -52,11 +52,41 @@ def _inverse_cdf(logp: torch.Tensor, uniforms: torch.Tensor, top_k: int, top_p: 
         cum = probs.cumsum(dim=-1)
         # keep a token while the mass strictly before it is below top_p (the first token always stays)
         probs = probs.masked_fill(cum - probs >= top_p * cum[:, -1:], 0.0)
-    cdf = probs.cumsum(dim=-1)
-    target = uniforms[:, None] * cdf[:, -1:]
-    # right=True lands on the first entry whose cdf exceeds the target: a token of non-zero probability
-    pick = torch.searchsorted(cdf, target, right=True).clamp_max(cdf.shape[-1] - 1)
+    pick = draw(probs, uniforms)[:, None]
     return pick.squeeze(1) if order is None else order.gather(-1, pick).squeeze(1)
+
+
+_BLOCK = 1024  # the two-level draw: block masses first, then one block's cumulative sum
+
+
+def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """First index whose cdf exceeds target (right=True): an entry of non-zero mass. The target is kept below the
+    total so that rounding (u * total == total) cannot run past the last such entry."""
+    target = torch.minimum(target, cdf[:, -1:] * (1 - 2.0**-20)).clamp_min(0)
+    return torch.searchsorted(cdf, target, right=True).clamp_max(cdf.shape[-1] - 1)
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw of one index per row from unnormalised probs (rows, n) with uniforms (rows,) in [0, 1).
+
+    Long rows (a vocabulary) go in two levels: cumulative sums within blocks of 1024, cumulative block masses pick
+    the block, that block's cumulative sum picks the entry. The same index as one cumulative sum over the row (up to rounding at interval ends), at
+    a fraction of the cost: torch's scan over 152k entries per row took 0.2 ms of each decode step."""
+    rows, n = probs.shape
+    if n <= 4 * _BLOCK:
+        cdf = probs.cumsum(dim=-1)
+        return _search(cdf, uniforms[:, None] * cdf[:, -1:]).squeeze(1)
+    nb = -(-n // _BLOCK)
+    # cumulative sums within blocks: many short scans run in parallel, and each row's numbers do not depend on
+    # how many rows there are (a sum() reduction may split differently by shape), so draws stay per-row
+    inner = torch.nn.functional.pad(probs, (0, nb * _BLOCK - n)).view(rows, nb, _BLOCK).cumsum(-1)
+    mass = inner[:, :, -1]
+    block_cdf = mass.cumsum(-1)
+    target = uniforms[:, None] * block_cdf[:, -1:]
+    blk = _search(block_cdf, target)
+    before = block_cdf.gather(-1, blk) - mass.gather(-1, blk)
+    inner = inner.gather(1, blk[:, :, None].expand(rows, 1, _BLOCK)).squeeze(1)
+    return (blk * _BLOCK + _search(inner, target - before)).squeeze(1).clamp_max(n - 1)
 
 
 class StopChecker:

@@ -122,3 +122,34 @@ def test_engine_decodes_the_same_tokens_with_groups(nvfp4_dir, tiny_model_dir):
     torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), rtol=1e-4, atol=1e-4)
     engine.close()
     assert not any("_qerl_group" in m.__dict__ for m in model.modules())
+
+
+def test_dense_lora_layers_group_the_same_way(tiny_model_dir):
+    """peft LoRA over nn.Linear (the bf16 baseline's layers): stacked weight, one x @ A.T, block-diagonal B."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    with torch.no_grad():
+        ref = model(IDS).logits
+    groups = group_projections(model)
+    n_layers = len(model.base_model.model.model.layers)
+    assert len(groups) == 2 * n_layers and {g.kind for g in groups} == {"dense"}
+    q, k, _ = groups[0].members
+    assert k.base_layer.weight.data_ptr() == q.base_layer.weight.data_ptr() + q.base_layer.weight.numel() * 4
+    calls = []
+    real = groups[0]._stacked_forward
+    groups[0]._stacked_forward = lambda x: calls.append(1) or real(x)
+    with torch.no_grad(), projections_fused(groups, torch.float32):
+        fused = model(IDS).logits
+    assert calls == [1]
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+    with projections_fused(groups, torch.float32):
+        model(IDS).logits.square().mean().backward()  # training: peft's own forward, gradients flow
+    assert k.lora_A["default"].weight.grad is not None
+    ungroup_projections(groups)
+    assert "forward" not in k.__dict__ and not any("_qerl_group" in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, ref)
