@@ -185,16 +185,17 @@ class ProjectionGroup:
         self.stacked, self.lora_a, self.lora_b, self._outs, self._x = {}, None, None, None, None
 
 
-def group_projections(model: nn.Module, groups=GROUPS) -> list[ProjectionGroup]:
+def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense")) -> list[ProjectionGroup]:
     """A ProjectionGroup for every module whose children named by one of `groups` are compatible LoRA layers
-    (all FP4LoraLinear, or all peft LoRA Linear over nn.Linear); other models get none. Memory: the weights move,
-    nothing is held twice (the members' weights become views of the stacked tensors)."""
+    (all FP4LoraLinear: kind "fp4", or all peft LoRA Linear over nn.Linear: kind "dense") of one of `kinds`;
+    other models get none. Memory: the weights move, nothing is held twice (the members' weights become views of
+    the stacked tensors)."""
     found = []
     for module in model.modules():
         for names in groups:
             members = [getattr(module, n, None) for n in names]
             if all(m is not None for m in members) and not any("_qerl_group" in m.__dict__ for m in members) \
-                    and ProjectionGroup.compatible(members):
+                    and ProjectionGroup.compatible(members) and _kind(members[0]) in kinds:
                 found.append(ProjectionGroup(members))
     return found
 

@@ -40,8 +40,11 @@ class TorchEngine(RolloutEngine):
     lora_dtype: LoRA adapter weights kept in another dtype than the model computes in (peft upcasts them to fp32
     for training) are used in this dtype during a call, through copies refreshed at every call ("auto" = the
     model's compute dtype on CUDA, None = as they are): rollouts then run LoRA on bf16 tensor cores like vLLM.
-    fuse_projections: FP4 LoRA layers that read the same input (q/k/v, gate/up) run as one kernel during calls
-    (qerl.quant.grouped; True, False or "auto" = on CUDA); the model stays trainable as before.
+    fuse_projections: LoRA layers that read the same input (q/k/v, gate/up) run as one launch during calls
+    (qerl.quant.grouped; the model stays trainable as before). "auto": FP4 layers on CUDA; True: FP4 and dense
+    (nn.Linear) layers on any device; False: none. Dense groups are not the default: on an H100 a bf16 7B with
+    them ran and captured its CUDA graph eagerly (555 vs 513 tokens/s), but under torch.compile did not finish
+    a rollout within 285 s (cause not found yet).
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int | None = None, use_cuda_graph="auto",
@@ -76,8 +79,8 @@ class TorchEngine(RolloutEngine):
         self._shadows: dict[int, torch.nn.Parameter] = {}  # id(adapter weight) -> its copy in lora_dtype
         if fuse_projections not in (True, False, "auto"):
             raise QerlError(f"TorchEngine.fuse_projections: expected True, False or 'auto', got {fuse_projections!r}")
-        fuse = fuse_projections is True or (fuse_projections == "auto" and on_cuda)
-        self._groups = group_projections(model) if fuse else []
+        kinds = ("fp4", "dense") if fuse_projections is True else ("fp4",) if on_cuda else ()
+        self._groups = group_projections(model, kinds=kinds) if fuse_projections and kinds else []
         self.stats["projection_groups"] = len(self._groups)
 
     # ---------------------------------------------------------------- public API

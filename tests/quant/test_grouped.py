@@ -134,6 +134,7 @@ def test_dense_lora_layers_group_the_same_way(tiny_model_dir):
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
     with torch.no_grad():
         ref = model(IDS).logits
+    assert group_projections(model, kinds=("fp4",)) == []  # what TorchEngine's "auto" asks for
     groups = group_projections(model)
     n_layers = len(model.base_model.model.model.layers)
     assert len(groups) == 2 * n_layers and {g.kind for g in groups} == {"dense"}
