@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl.quant.kernels import fp4_lora_matmul
+from qerl.quant.kernels import fp4_lora_matmul, small_matmul
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _STACKED = ("weight_packed", "weight_scale", "weight_global_scale")
@@ -153,12 +153,7 @@ class ProjectionGroup:
                                    self.scaling, self.sizes)
         x2 = x.reshape(-1, x.shape[-1])
         out = F.linear(x2, self.stacked["weight"], self.bias)
-        if x2.is_cuda:
-            from qerl.quant.triton_fp4 import small_matmul
-
-            xa = small_matmul(x2, self.lora_a)
-        else:
-            xa = x2 @ self.lora_a.T
+        xa = small_matmul(x2, self.lora_a)
         return torch.addmm(out, xa, self.lora_b.T, alpha=self.scaling).reshape(*x.shape[:-1], out.shape[-1])
 
     def _usable(self, x: torch.Tensor) -> bool:

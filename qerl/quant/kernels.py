@@ -155,6 +155,24 @@ def fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, l
                                float(lora_scale), [int(v) for v in (segments or [n])])
 
 
+@torch.library.custom_op("qerl::small_matmul", mutates_args=())
+def _small_matmul_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    kernel = _triton_kernel("small_matmul") if x.is_cuda else None
+    return kernel(x, w) if kernel is not None else x @ w.T
+
+
+@_small_matmul_op.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def small_matmul(x, w):
+    """x (M, K) @ w (N, K).T for few rows and a narrow w (a stacked LoRA A): one split-K Triton launch on CUDA
+    (qerl.quant.triton_fp4.small_matmul), torch elsewhere. A custom op, so that torch.compile treats it as one
+    opaque kernel instead of tracing the launcher (its workspace cache and launch grid)."""
+    return _small_matmul_op(x, w)
+
+
 def fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale):
     """grad_out (..., N) @ deq(W) -> (..., K), the input gradient of fp4_matmul (custom op qerl::fp4_matmul_t)."""
     return _fp4_matmul_t_op(grad_out, weight_packed, weight_scale, weight_global_scale)

@@ -44,7 +44,8 @@ class TorchEngine(RolloutEngine):
     (qerl.quant.grouped; the model stays trainable as before). "auto": FP4 layers on CUDA; True: FP4 and dense
     (nn.Linear) layers on any device; False: none. Dense groups are not the default: on an H100 a bf16 7B with
     them ran and captured its CUDA graph eagerly (555 vs 513 tokens/s), but under torch.compile did not finish
-    a rollout within 285 s (cause not found yet).
+    a rollout within 285 s; the likely cause (dynamo tracing into the Triton launcher of x @ A.T) was fixed
+    afterwards by making it a custom op, not re-measured on a GPU.
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int | None = None, use_cuda_graph="auto",
