@@ -31,9 +31,19 @@ def _triton_kernel(name: str):
     return getattr(triton_fp4, name, None)
 
 
+@functools.cache
+def _fp8_capable(device_index: int) -> bool:
+    """Triton converts float8_e4m3fn scales in registers from sm_89 on (Ada, Hopper, Blackwell); an A100 (sm_80)
+    cannot compile the kernels, so it takes the reference path."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
 def _use_triton(x: torch.Tensor, weight_scale: torch.Tensor, name: str):
-    """Triton only covers NVFP4 (FP8 scales) on CUDA; MXFP4 and CPU tensors take the reference path."""
+    """Triton only covers NVFP4 (FP8 scales) on CUDA GPUs of sm_89+; MXFP4, CPU tensors and older GPUs take the
+    reference path."""
     if not x.is_cuda or weight_scale.dtype != torch.float8_e4m3fn:
+        return None
+    if not _fp8_capable(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return None
     return _triton_kernel(name)
 
@@ -157,7 +167,7 @@ def fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, l
 
 @torch.library.custom_op("qerl::small_matmul", mutates_args=())
 def _small_matmul_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    kernel = _triton_kernel("small_matmul") if x.is_cuda else None
+    kernel = _triton_kernel("small_matmul") if x.is_cuda else None  # plain bf16/fp16 dots: any CUDA GPU
     return kernel(x, w) if kernel is not None else x @ w.T
 
 

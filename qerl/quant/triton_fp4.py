@@ -14,8 +14,10 @@ sign bit (8) | index into {0, .5, 1, 1.5, 2, 3, 4, 6}; weight_scale float8_e4m3f
 float32 (1,); W = e2m1 * scale / global_scale.
 
 The unpacking uses a lookup through `prmt` byte permutes in inline PTX (8 weights from one 32-bit word in 19
-instructions, sm_80+, written straight as the bf16 pairs the tensor-core operand holds); `USE_ASM=False` selects a plain-Triton decode of the same numbers (slower; kept as the
-readable reference and for Triton's CPU interpreter).
+instructions, written straight as the bf16 pairs the tensor-core operand holds); `USE_ASM=False` selects a
+plain-Triton decode of the same numbers (slower; kept as the readable reference and for Triton's CPU interpreter).
+Triton converts the FP8 scales only from sm_89 on, so the dispatcher (qerl.quant.kernels) sends older GPUs to the
+torch reference path.
 """
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ GROUP = 16
 # 0, .5, 1, 1.5 | 2, 3, 4, 6  ->  0x0000 0x3F00 0x3F80 0x3FC0 | 0x4000 0x4040 0x4080 0x40C0
 # One call: 4 packed bytes ($4) -> 4 registers, register j = [bf16(low nibble of byte j), bf16(high nibble)] (the
 # two consecutive-k weights of byte j, already in the order the tensor-core operand wants: no repacking after),
-# each multiplied by the bf16 group scale that $5..$8 carry duplicated in both halves.
+# each multiplied by the bf16 group scale that $5..$8 carry duplicated in both halves (fma with -0: mul.bf16x2
+# needs sm_90, fma.bf16x2 runs from sm_80; ptxas emits the same HMUL2).
 _E2M1_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 m, m16, r4, ha, la, hb, lb, sa, sb, t0, t1, t2, t3;
+.reg .b32 m, m16, r4, ha, la, hb, lb, sa, sb, t0, t1, t2, t3, nz;
+mov.b32 nz, 0x80008000;
 and.b32 m, $4, 0x77777777;
 shr.u32 m16, m, 16;
 shl.b32 r4, $4, 4;
@@ -53,10 +57,10 @@ prmt.b32 t0, la, ha, 0x5140;
 prmt.b32 t1, la, ha, 0x7362;
 prmt.b32 t2, lb, hb, 0x5140;
 prmt.b32 t3, lb, hb, 0x7362;
-mul.rn.bf16x2 $0, t0, $5;
-mul.rn.bf16x2 $1, t1, $6;
-mul.rn.bf16x2 $2, t2, $7;
-mul.rn.bf16x2 $3, t3, $8;
+fma.rn.bf16x2 $0, t0, $5, nz;
+fma.rn.bf16x2 $1, t1, $6, nz;
+fma.rn.bf16x2 $2, t2, $7, nz;
+fma.rn.bf16x2 $3, t3, $8, nz;
 }
 """)
 
