@@ -146,6 +146,16 @@ def _split_range(n_tiles, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _mn_program(M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """This program's output tile of an (M, N) result reduced over K: tile id, pid_n, row and column offsets, and
+    its K-tiles [kt0, kt1)."""
+    tile, pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    kt0, kt1 = _split_range(tl.cdiv(K, BK), SPLIT)
+    return tile, pid_n, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), kt0, kt1
+
+
+@triton.jit
 def _lora_tile(xa_ptr, lb_ptr, offs_m, offs_n, M, N, R, sxa, slb, lora_scale, RP: tl.constexpr):
     """lora_scale * xa[offs_m] @ lora_b[offs_n].T in fp32: the LoRA update of one output tile (rank R <= RP)."""
     offs_r = tl.arange(0, RP)
@@ -210,11 +220,8 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
 
     W may stack up to three weights along N (rows [0, N1), [N1, N2), [N2, N): e.g. q, k and v), each with its own
     global scale gs[seg] and its own LoRA A columns xa[:, seg*R:(seg+1)*R]; BN divides N1 and N2."""
-    tile, pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    tile, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, GROUP_M, SPLIT)
     rn = offs_n % N  # wrapped weight rows load real data; only the store is masked
-    kt0, kt1 = _split_range(tl.cdiv(K, BK), SPLIT)
     offs_k = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(kt0, kt1):
@@ -266,10 +273,7 @@ def _small_mm_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, sxm, sxk
                      EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     """out (M, N) = x (M, K) @ w (N, K).T for few rows and a narrow dense w (a LoRA A): one launch, split-K
     partials summed by the last program (cuBLAS takes a GEMM plus a separate split-K reduction kernel)."""
-    tile, pid_m, pid_n = _tile_ids(M, N, BM, BN, 1)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    kt0, kt1 = _split_range(tl.cdiv(K, BK), SPLIT)
+    tile, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, 1, SPLIT)
     offs_k = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(kt0, kt1):
