@@ -321,8 +321,9 @@ def test_cuda_graph_runs_fp4_lora_model(tmp_path, tokenizer_dir, prompts):
     torch.manual_seed(0)
     model = get_peft_model(model.cuda(), fp4_lora_config(r=8, target_modules=targets, init_lora_weights=False))
     greedy = SamplingParams(temperature=0, max_tokens=10)
-    eager = TorchEngine(model, tok, cache="dynamic", eos_token_ids=()).generate(prompts, 2, greedy)
-    engine = TorchEngine(model, tok, eos_token_ids=())
+    eager = TorchEngine(model, tok, cache="dynamic", eos_token_ids=(), fuse_projections=False).generate(
+        prompts, 2, greedy)
+    engine = TorchEngine(model, tok, eos_token_ids=())  # q/k/v and gate/up stacked (qerl.quant.grouped)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         graphed = [engine.generate(prompts, 2, greedy) for _ in range(2)]
@@ -330,6 +331,7 @@ def test_cuda_graph_runs_fp4_lora_model(tmp_path, tokenizer_dir, prompts):
     assert graphed[0].completion_ids == eager.completion_ids == graphed[1].completion_ids
     assert engine.use_cuda_graph, f"decode fell back to eager: {caught[0].message if caught else '?'}"
     assert graphed[1].stats["graph_captures"] == 1 and graphed[1].stats["graph_replays"] > 0
+    assert graphed[1].stats["projection_groups"] == 2 * len(model.base_model.model.model.layers)
 
 
 def test_bench_writes_json_with_equal_work_per_engine(tiny_model_dir, tmp_path):
