@@ -12,12 +12,13 @@ stacked path. FP4 bases (FP4LoraLinear): `qerl.quant.kernels.fp4_lora_matmul` wi
 LoRA Linear over nn.Linear, e.g. the bf16 baseline): one cuBLAS GEMM over the stacked weight, one x @ A.T and one
 addmm with the block-diagonal stacked B, instead of four launches per layer. The first member computes the whole
 group when it is called; the others return their slice when called with the very same input tensor, and compute
-on their own otherwise (a model that calls them differently stays correct, only unfused).
+on their own otherwise (a model that calls them differently stays correct, only unfused). In-place writes to a
+member's weights (load_state_dict, copy_) reach the stacked tensors; moving the model to another device or dtype
+does not: ungroup first (TorchEngine.close does).
 """
 from __future__ import annotations
 
 import contextlib
-
 import types
 
 import torch
