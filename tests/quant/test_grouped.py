@@ -154,3 +154,40 @@ def test_dense_lora_layers_group_the_same_way(tiny_model_dir):
     assert "forward" not in k.__dict__ and not any("_qerl_group" in m.__dict__ for m in model.modules())
     with torch.no_grad():
         torch.testing.assert_close(model(IDS).logits, ref)
+
+
+@pytest.mark.parametrize("kind", ["fp4", "dense"])
+def test_dynamo_traces_the_group_protocol_without_breaks(nvfp4_dir, tiny_model_dir, kind):
+    """torch.compile sees one stacked op per group and no graph break (the engine compiles its decode step)."""
+    import torch._dynamo
+
+    if kind == "fp4":
+        model = _peft(nvfp4_dir)
+    else:
+        from peft import LoraConfig
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    layer = model.base_model.model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def projections(x):
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), mlp.gate_proj(x), mlp.up_proj(x)
+
+    x = torch.randn(2, 3, attn.q_proj.in_features)
+    with torch.no_grad():
+        ref = projections(x)
+    groups = group_projections(model)
+    torch._dynamo.reset()
+    with torch.no_grad(), projections_fused(groups, torch.float32):
+        explanation = torch._dynamo.explain(projections)(x)
+        out = torch.compile(projections, backend="eager", fullgraph=True)(x)
+    assert explanation.graph_break_count == 0
+    targets = [str(n.target) for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"]
+    stacked = "qerl.fp4_lora_matmul" if kind == "fp4" else "qerl.small_matmul"
+    assert sum(stacked in t for t in targets) == 2  # q|k|v and gate|up, not five layers
+    for got, want in zip(out, ref):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ungroup_projections(groups)
