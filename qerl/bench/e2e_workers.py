@@ -16,7 +16,6 @@ import time
 import torch
 
 from qerl.bench.random_models import attach_lora, build_random_model, decode_weight_bytes, qwen25_config
-from qerl.quant.grouped import ungroup_projections
 
 
 def _sync() -> None:
@@ -176,12 +175,11 @@ def speed_worker(args, mode: str, size: str, on_part=None) -> dict:
         trainer.engine.use_cuda_graph = False
     if args.compile == "off":
         trainer.engine.use_compile = False
-    if getattr(args, "fuse_projections", "auto") == "off":  # q/k/v and gate/up as separate layers
-        ungroup_projections(trainer.engine._groups)
-        trainer.engine._groups = []
+    if args.fuse_projections == "off":  # q/k/v and gate/up as separate layers
+        trainer.engine.unfuse_projections()
     result = {"mode": mode, "size": size, "device": device, "decode_weight_bytes": decode_weight_bytes(model),
               "cuda_graph": trainer.engine.use_cuda_graph, "compile": trainer.engine.use_compile,
-              "projection_groups": len(trainer.engine._groups),
+              "projection_groups": trainer.engine.stats["projection_groups"],
               "rollout": [], "errors": {}}
     for batch in args.batches:
         _guard(result, f"rollout_b{batch}", lambda b=batch: result["rollout"].append(

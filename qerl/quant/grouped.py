@@ -52,7 +52,8 @@ def _grouped_dense_forward(self, x, *args, **kwargs):
 
 
 class ProjectionGroup:
-    """Layers (FP4LoraLinear, one adapter, same rank and scaling) stacked along their outputs."""
+    """LoRA layers of one kind (FP4LoraLinear, or peft LoRA Linear over nn.Linear), one adapter, same rank and
+    scaling, stacked along their outputs."""
 
     def __init__(self, members: list[nn.Module]):
         self.members = members
@@ -161,11 +162,9 @@ class ProjectionGroup:
         first = self.members[0]
         if self.lora_a is None or x.dtype != self.lora_a.dtype or first.disable_adapters:
             return False
-        for m in self.members:
-            drop = m.lora_dropout[self.adapter]
-            if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0:
-                return False
-        return True
+        from qerl.quant.lora import lora_dropout_active
+
+        return not any(lora_dropout_active(m, self.adapter) for m in self.members)
 
     def ungroup(self) -> None:
         """Give every member contiguous tensors of its own again and detach it from the group."""
@@ -190,8 +189,8 @@ def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense")) -
     for module in model.modules():
         for names in groups:
             members = [getattr(module, n, None) for n in names]
-            if all(m is not None for m in members) and not any("_qerl_group" in m.__dict__ for m in members) \
-                    and ProjectionGroup.compatible(members) and _kind(members[0]) in kinds:
+            if all(m is not None for m in members) and _kind(members[0]) in kinds \
+                    and not any("_qerl_group" in m.__dict__ for m in members) and ProjectionGroup.compatible(members):
                 found.append(ProjectionGroup(members))
     return found
 

@@ -21,6 +21,12 @@ from qerl.quant.kernels import fp4_lora_matmul
 from qerl.quant.linear import FP4Linear
 
 
+def lora_dropout_active(layer: nn.Module, adapter: str) -> bool:
+    """Whether `adapter`'s dropout changes its input now (an nn.Dropout with p > 0 in training mode)."""
+    drop = layer.lora_dropout[adapter]
+    return isinstance(drop, nn.Dropout) and drop.training and drop.p > 0
+
+
 class FP4LoraLinear(nn.Module, LoraLayer):
     """y = FP4Linear(x) + B(A(dropout(x))) * scaling; the packed base is never merged in place."""
 
@@ -61,8 +67,7 @@ class FP4LoraLinear(nn.Module, LoraLayer):
         name = self.active_adapters[0]
         if name not in self.lora_A.keys():
             return None
-        drop = self.lora_dropout[name]
-        if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0:
+        if lora_dropout_active(self, name):
             return None
         if self.lora_A[name].weight.dtype != x.dtype or self.lora_B[name].weight.dtype != x.dtype:
             return None

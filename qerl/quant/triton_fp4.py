@@ -477,10 +477,10 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
         return out.reshape(*lead, n)
     n1, n2 = _segment_bounds(segments, n, weight_global_scale)
     xa, lb = _lora_operands(x2, lora_a, lora_b, n, k, len(segments or [n]))
+    r = 0 if lb is None else lb.shape[1]
     if _use_dense(path, m, config):
         from qerl.quant.triton_dequant import dense_fp4_matmul
 
-        r = 0 if lb is None else lb.shape[1]
         for i, (a, b) in enumerate(((0, n1), (n1, n2), (n2, n))):
             if b > a:
                 dense_fp4_matmul(x2, weight_packed[a:b], weight_scale[a:b], weight_global_scale.reshape(-1)[i],
@@ -499,7 +499,6 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
     ws = weight_scale.contiguous().view(torch.uint8)
     gs = weight_global_scale.reshape(-1).to(torch.float32)
     b = bias.contiguous() if bias is not None else out
-    r = 0 if xa is None else lb.shape[1]
     _fp4_mm_kernel[(tiles, cfg.split)](
         x2, wp, ws, gs, b, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
         wp.stride(0), ws.stride(0),

@@ -70,8 +70,9 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw of one index per row from unnormalised probs (rows, n) with uniforms (rows,) in [0, 1).
 
     Long rows (a vocabulary) go in two levels: cumulative sums within blocks of 1024, cumulative block masses pick
-    the block, that block's cumulative sum picks the entry. The same index as one cumulative sum over the row (up to rounding at interval ends), at
-    a fraction of the cost: torch's scan over 152k entries per row took 0.2 ms of each decode step."""
+    the block, that block's cumulative sum picks the entry. The same index as one cumulative sum over the row (up
+    to rounding at interval ends), at a fraction of the cost: torch's scan over 152k entries per row took 0.2 ms
+    of each decode step."""
     rows, n = probs.shape
     if n <= 4 * _BLOCK:
         cdf = probs.cumsum(dim=-1)

@@ -101,9 +101,15 @@ class TorchEngine(RolloutEngine):
             completion_ids=[r[0] for r in rows], logprobs=[r[1] for r in rows],
             finish_reasons=[r[2] for r in rows], stats=dict(self.stats))
 
-    def close(self) -> None:
+    def unfuse_projections(self) -> None:
+        """Give the grouped layers their own weights back; later calls run them one by one."""
         ungroup_projections(self._groups)
-        self._forward, self._decoder, self._shadows, self._groups = None, None, {}, []
+        self._groups = []
+        self.stats["projection_groups"] = 0
+
+    def close(self) -> None:
+        self.unfuse_projections()
+        self._forward, self._decoder, self._shadows = None, None, {}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
