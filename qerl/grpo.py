@@ -86,15 +86,42 @@ def _padding_safe_mask(model, attention_mask: Tensor) -> Tensor:
                                                                                       torch.finfo(dtype).min)
 
 
+class TargetLogProb(torch.autograd.Function):
+    """log softmax(logits / T)[target] and the entropy of softmax(logits / T), rows of (N, V) logits.
+
+    Memory: forward keeps one fp32 (N, V) buffer (log softmax, computed in place) and backward rewrites that
+    buffer in place into the gradient (softmax * -g, + g at the target), so a chunk costs 4 N V bytes plus the
+    head's own output and its gradient (and one more fp32 buffer while the entropy is summed); torch's
+    log_softmax + gather + an entropy graph saved three fp32 (N, V) tensors and made as many again in backward. The entropy carries no gradient (it is a metric).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float):
+        u = logits.to(torch.float32, copy=True)  # a copy even for fp32 logits: it becomes log p, then the grad
+        if temperature != 1.0:
+            u.div_(temperature)
+        u.sub_(torch.logsumexp(u, dim=-1, keepdim=True))  # log softmax, in place
+        logp = u.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        p = u.exp()
+        entropy = -p.mul_(u).sum(-1)
+        del p
+        ctx.save_for_backward(u, targets)
+        ctx.temperature, ctx.in_dtype = temperature, logits.dtype
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):
+        u, targets = ctx.saved_tensors
+        g = grad_logp.float() / ctx.temperature
+        grad = u.exp_().mul_(-g.unsqueeze(-1))  # d logp_t / d z = onehot(t) - softmax, times g / T
+        grad.scatter_add_(-1, targets.unsqueeze(-1), g.unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None
+
+
 def _chunk_logprobs(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float):
     """log p(target) and entropy for a (N, H) chunk; logits live only inside this call (checkpointed)."""
-    logits = head(hidden).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    return TargetLogProb.apply(head(hidden), targets, temperature)
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int, *,

@@ -325,6 +325,32 @@ def test_token_logprobs_never_keep_full_logits_for_backward(tiny_model):
     assert max(biggest) >= 3 * 5 * vocab
 
 
+@pytest.mark.parametrize("dtype,temperature,tol", [(torch.float32, 1.0, 1e-5), (torch.float32, 0.7, 1e-5),
+                                                     (torch.bfloat16, 0.6, 1e-2)])
+def test_target_logprob_matches_float64_log_softmax(dtype, temperature, tol):
+    """The in-place log-prob Function: values, entropy and gradient vs float64 log_softmax + gather."""
+    from qerl.grpo import TargetLogProb
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(9, 301, generator=g) * 4).to(dtype)
+    targets = torch.randint(0, 301, (9,), generator=g)
+    weights = torch.randn(9, generator=g)
+    ref_in = logits.double().requires_grad_()
+    logp_all = torch.log_softmax(ref_in / temperature, -1)
+    lp_ref = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    ent_ref = -(logp_all.exp() * logp_all).sum(-1)
+    (lp_ref * weights.double()).sum().backward()
+    x = logits.clone().requires_grad_()
+    lp, ent = TargetLogProb.apply(x, targets, temperature)
+    (lp * weights).sum().backward()
+    assert not ent.requires_grad and lp.dtype == torch.float32
+    torch.testing.assert_close(lp.double(), lp_ref.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(ent.double(), ent_ref.detach(), rtol=tol, atol=tol)
+    assert x.grad.dtype == dtype
+    torch.testing.assert_close(x.grad.double(), ref_in.grad, rtol=tol, atol=tol)
+    assert torch.equal(x.detach(), logits), "the input logits must be left as they were"
+
+
 def test_token_logprobs_bad_input(tiny_model):
     ids = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(QerlError, match="logits_to_keep"):

@@ -56,8 +56,11 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=300, help="per worker subprocess")
     p.add_argument("--cuda-graph", choices=["auto", "off"], default="auto", help="TorchEngine decode graphs")
     p.add_argument("--compile", choices=["auto", "off"], default="auto", help="torch.compile of the decode forward")
-    p.add_argument("--fuse-projections", choices=["auto", "off"], default="auto",
-                   help="q/k/v and gate/up stacked into one launch during rollouts (qerl.quant.grouped)")
+    p.add_argument("--fuse-projections", choices=["auto", "off", "all"], default="auto",
+                   help="q/k/v and gate/up stacked into one launch during rollouts (qerl.quant.grouped): auto = "
+                        "FP4 layers on CUDA, all = FP4 and dense (bf16 LoRA) layers")
+    p.add_argument("--logprob-chunk", type=int, default=None,
+                   help="train.logprob_chunk_size of the trainer (default: the config's)")
     p.add_argument("--profile-tokens", type=int, default=0,
                    help="also profile one rollout of this many tokens at the first batch (kernels per step)")
     p.add_argument("--out-name", default="e2e.json")

@@ -54,7 +54,8 @@ def _build(args, fp4: bool, size: str):
 
 
 def make_trainer(model, tokenizer, prompts, *, fp4: bool, num_generations: int, completion_len: int,
-                 micro_batch_size: int, lora_r: int, seed: int, offload: bool = False):
+                 micro_batch_size: int, lora_r: int, seed: int, offload: bool = False,
+                 logprob_chunk: int | None = None):
     """The project's GRPOTrainer on synthetic prompts and a random reward (no AQN: sigma would be 0 at step 0)."""
     from qerl.config import TrainConfig
     from qerl.trainer import GRPOTrainer
@@ -63,7 +64,8 @@ def make_trainer(model, tokenizer, prompts, *, fp4: bool, num_generations: int, 
                       num_generations=num_generations, batch_size=len(prompts), micro_batch_size=micro_batch_size,
                       max_steps=4, max_completion_length=completion_len, gradient_checkpointing=True, aqn=None,
                       offload_activations=offload,
-                      lora={"lora_r": lora_r, "lora_alpha": 2 * lora_r}, seed=seed)
+                      lora={"lora_r": lora_r, "lora_alpha": 2 * lora_r}, seed=seed,
+                      **({"logprob_chunk_size": logprob_chunk} if logprob_chunk else {}))
     return GRPOTrainer(cfg, model, tokenizer, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
                        checkpoint_dir=tempfile.mkdtemp(prefix="qerl-bench-"))
 
@@ -170,13 +172,15 @@ def speed_worker(args, mode: str, size: str, on_part=None) -> dict:
     prompts = random_prompts(tokenizer, args.prompts, args.prompt_len, args.seed)
     trainer = make_trainer(model, tokenizer, prompts, fp4=fp4, num_generations=args.group,
                            completion_len=max(1, args.step_completion), micro_batch_size=args.micro_batch,
-                           lora_r=args.lora_r, seed=args.seed)
+                           lora_r=args.lora_r, seed=args.seed, logprob_chunk=args.logprob_chunk)
     if args.cuda_graph == "off":  # eager decode steps (the engine's own fallback path), static cache kept
         trainer.engine.use_cuda_graph = False
     if args.compile == "off":
         trainer.engine.use_compile = False
     if args.fuse_projections == "off":  # q/k/v and gate/up as separate layers
         trainer.engine.unfuse_projections()
+    elif args.fuse_projections == "all":  # dense (bf16 LoRA) layers too
+        trainer.engine.fuse_projections(("fp4", "dense"))
     result = {"mode": mode, "size": size, "device": device, "decode_weight_bytes": decode_weight_bytes(model),
               "cuda_graph": trainer.engine.use_cuda_graph, "compile": trainer.engine.use_compile,
               "projection_groups": trainer.engine.stats["projection_groups"],
@@ -210,7 +214,8 @@ def memory_worker(args, mode: str, size: str, micro_batch: int | None = None, of
     gen = torch.Generator().manual_seed(args.seed)
     prompts = random_prompts(tokenizer, rows, plen, args.seed)
     trainer = make_trainer(model, tokenizer, prompts[:1], fp4=fp4, num_generations=max(2, rows), completion_len=clen,
-                           micro_batch_size=rows, lora_r=args.lora_r, seed=args.seed, offload=offload)
+                           micro_batch_size=rows, lora_r=args.lora_r, seed=args.seed, offload=offload,
+                           logprob_chunk=args.logprob_chunk)
     ids = torch.randint(0, 30000, (rows, plen + clen), generator=gen)
     batch = Batch(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
                   completion_mask=torch.ones(rows, clen, device=device),
@@ -225,7 +230,7 @@ def memory_worker(args, mode: str, size: str, micro_batch: int | None = None, of
     metrics = trainer.update(batch, 0)
     _sync()
     return {"mode": mode, "size": size, "device": device, "rows": rows, "offload": offload, "prompt_len": plen,
-            "completion_len": clen, "model_bytes": model_bytes,
+            "completion_len": clen, "logprob_chunk": trainer.cfg.logprob_chunk_size, "model_bytes": model_bytes,
             "peak_bytes": torch.cuda.max_memory_allocated() if on_cuda else None,
             "update_seconds": time.perf_counter() - start, "loss": metrics["loss"]}
 

@@ -101,10 +101,18 @@ class TorchEngine(RolloutEngine):
             completion_ids=[r[0] for r in rows], logprobs=[r[1] for r in rows],
             finish_reasons=[r[2] for r in rows], stats=dict(self.stats))
 
+    def fuse_projections(self, kinds=("fp4", "dense")) -> int:
+        """Group the projections of these layer kinds (after ungrouping any); returns the number of groups."""
+        self.unfuse_projections()
+        self._groups = group_projections(self.model, kinds=tuple(kinds))
+        self.stats["projection_groups"] = len(self._groups)
+        return len(self._groups)
+
     def unfuse_projections(self) -> None:
         """Give the grouped layers their own weights back; later calls run them one by one."""
         ungroup_projections(self._groups)
         self._groups = []
+        self._forward, self._decoder = None, None  # traced / captured with the previous layer forwards
         self.stats["projection_groups"] = 0
 
     def close(self) -> None:
