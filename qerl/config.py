@@ -92,7 +92,7 @@ class TrainConfig(_Section):
     mask_truncated_completions: bool = False
     max_prompt_length: int = Field(512, ge=8)
     max_completion_length: int = Field(1024, ge=1)
-    logprob_chunk_size: int = Field(1024, ge=16, description="tokens per lm_head chunk (no B*T*V logits)")
+    logprob_chunk_size: int = Field(256, ge=16, description="tokens per lm_head chunk (no B*T*V logits)")
     gradient_checkpointing: bool = False
     offload_activations: bool = Field(False, description="keep tensors saved for backward (with gradient "
                                       "checkpointing: each layer's input) in pinned CPU memory")
