@@ -58,7 +58,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", choices=["auto", "off"], default="auto", help="torch.compile of the decode forward")
     p.add_argument("--fuse-projections", choices=["auto", "off", "all"], default="auto",
                    help="q/k/v and gate/up stacked into one launch during rollouts (qerl.quant.grouped): auto = "
-                        "FP4 layers on CUDA, all = FP4 and dense (bf16 LoRA) layers")
+                        "the engine's default (FP4 and bf16 LoRA layers on CUDA), all = both kinds on any device")
     p.add_argument("--logprob-chunk", type=int, default=None,
                    help="train.logprob_chunk_size of the trainer (default: the config's)")
     p.add_argument("--profile-tokens", type=int, default=0,

@@ -191,3 +191,36 @@ def test_dynamo_traces_the_group_protocol_without_breaks(nvfp4_dir, tiny_model_d
     for got, want in zip(out, ref):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     ungroup_projections(groups)
+
+
+@pytest.mark.gpu
+def test_bf16_lora_graph_engine_groups_dense_projections(tmp_path, tokenizer_dir):
+    """The default CUDA engine (graph + torch.compile) stacks a bf16 peft LoRA model's q/k/v and gate/up and
+    decodes the tokens of the same engine without groups (weights of std 0.2: peaked logits, no near-ties for
+    bf16 rounding to flip)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qerl.resources import build_tiny_model
+    from qerl.rollout import SamplingParams
+    from qerl.rollout.torch_engine import TorchEngine
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    build_tiny_model(tmp_path, tokenizer_dir, seed=0, initializer_range=0.2)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda()
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False))
+    prompts = [tok(t)["input_ids"] for t in ("2+2=", "The quick brown fox jumps")]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    ref_engine = TorchEngine(model, tok, eos_token_ids=(), fuse_projections=False)
+    ref = ref_engine.generate(prompts, 2, greedy)
+    ref_engine.close()
+    engine = TorchEngine(model, tok, eos_token_ids=())
+    outs = [engine.generate(prompts, 2, greedy) for _ in range(2)]
+    assert engine.use_cuda_graph and engine.use_compile
+    assert outs[1].stats["projection_groups"] == 2 * len(model.base_model.model.model.layers)
+    assert outs[1].stats["graph_captures"] == 1 and outs[1].stats["graph_replays"] > 0
+    assert outs[0].completion_ids == outs[1].completion_ids == ref.completion_ids
+    engine.close()
