@@ -306,7 +306,13 @@ def _pick_split(tiles: int, k_tiles: int, device: torch.device, min_tiles_per_sp
     """Enough reduction splits that tiles * split fills `waves` programs per SM, keeping >= min_tiles_per_split
     K-tiles each."""
     want = math.ceil(waves * _target_programs(device) / 2 / max(1, tiles))
-    return max(1, min(want, k_tiles // min_tiles_per_split, 16))
+    return _no_empty_splits(max(1, min(want, k_tiles // min_tiles_per_split, 16)), k_tiles)
+
+
+def _no_empty_splits(split: int, k_tiles: int) -> int:
+    """The fewest splits that give each its ceil(k_tiles / split) tiles: no program without work (74 K-tiles in
+    64 splits of 2 leave 27 programs empty, whose zero partials the last program would still add up)."""
+    return max(1, math.ceil(k_tiles / math.ceil(k_tiles / max(1, split))))
 
 
 def _k_block(k: int, preferred: int) -> int:
@@ -448,7 +454,7 @@ def small_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     bk = _k_block(k, 256 if bm <= 32 else 128)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_tiles = triton.cdiv(k, bk)
-    split = max(1, min(k_tiles, _target_programs(x2.device) // (2 * tiles), 64))
+    split = _no_empty_splits(min(k_tiles, _target_programs(x2.device) // (2 * tiles), 64), k_tiles)
     part, cnt = _workspace(x2.device, tiles * split * bm * bn if split > 1 else 0, tiles)
     _small_mm_kernel[(tiles, split)](
         x2, w, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0),
