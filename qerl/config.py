@@ -96,6 +96,11 @@ class TrainConfig(_Section):
     gradient_checkpointing: bool = False
     offload_activations: bool = Field(False, description="keep tensors saved for backward (with gradient "
                                       "checkpointing: each layer's input) in pinned CPU memory")
+    mixed_precision: Literal["auto", "off"] = Field(
+        "auto", description="auto: a model computing in bf16/fp16 with fp32 trainable parameters (peft adapters) "
+        "runs its training forward under torch.autocast in the model's dtype (LoRA matmuls in bf16 like the "
+        "rollout engine's and TRL's bf16=True; fp32 master weights and AdamW); off: peft casts each LoRA input "
+        "to fp32 (a saved fp32 copy of every LoRA layer's input)")
     train_norms: bool = Field(False, description="also train RMSNorm scales (the original scripts do)")
     rollout_correction: Literal["none", "tis"] = "none"
     tis_cap: float = Field(2.0, gt=1.0)

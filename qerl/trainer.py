@@ -194,7 +194,35 @@ class GRPOTrainer:
         """Prompt computed once per group (qerl.prefix) unless gradient checkpointing disables the KV cache."""
         return not self.cfg.gradient_checkpointing and self.cfg.micro_batch_size % self.cfg.num_generations == 0
 
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """The half dtype the training forward autocasts to (train.mixed_precision), None when it does not."""
+        if self.cfg.mixed_precision == "off":
+            return None
+        frozen = {p.dtype for p in self.model.parameters() if not p.requires_grad and p.is_floating_point()}
+        trained = {p.dtype for p in self.model.parameters() if p.requires_grad}
+        half = frozen & {torch.bfloat16, torch.float16}
+        return next(iter(half)) if len(half) == 1 and trained == {torch.float32} else None
+
+    def _forward_precision(self, backward: bool = False):
+        """torch.autocast in the model's half dtype with peft's fp32 input casts off, or nothing. For backward
+        only the casts are off: gradient checkpointing re-runs the forward there (under the autocast state it
+        recorded) and must not make the fp32 input copies the forward avoided."""
+        dtype = self._autocast_dtype()
+        if dtype is None:
+            return contextlib.nullcontext()
+        from peft.helpers import disable_input_dtype_casting
+
+        stack = contextlib.ExitStack()
+        if not backward:
+            stack.enter_context(torch.autocast(device_type=self.device.type, dtype=dtype))
+        stack.enter_context(disable_input_dtype_casting(self.model))
+        return stack
+
     def logprobs(self, batch: Batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._forward_precision():
+            return self._logprobs(batch, rows)
+
+    def _logprobs(self, batch: Batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         temperature = max(self.cfg.rollout.temperature, 1e-6)
         plen = batch.input_ids.shape[1] - batch.completion_len
         if self.share_prefix:
@@ -252,7 +280,8 @@ class GRPOTrainer:
                 if not torch.isfinite(loss):
                     raise QerlError(f"non-finite loss at step {step + 1}; the last good checkpoint is "
                                     f"{(list_checkpoints(self.checkpoint_dir) or ['none'])[-1]}")
-                loss.backward()
+                with self._forward_precision(backward=True):
+                    loss.backward()
                 metrics.update(lm, loss=loss.detach(), entropy=masked_mean(ent, mask))
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) / (len(slices) * cfg.num_iterations)

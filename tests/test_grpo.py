@@ -403,3 +403,53 @@ def test_token_logprobs_gpu_bf16_peak_memory_and_values():
     cos = (g @ g_ref / (g.norm() * g_ref.norm())).item()
     print(f"lm_head grad cosine {cos:.6f}")
     assert cos > 0.999
+
+
+def test_mixed_precision_runs_lora_in_the_model_dtype(tiny_model_dir):
+    """train.mixed_precision=auto on a bf16 model with fp32 adapters: the LoRA matmuls see bf16 inputs (no fp32
+    copy of each layer input), the log-probs and gradients stay close to the fp32-LoRA path, the master weights
+    and their gradients stay fp32."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qerl.bench.e2e_workers import make_trainer
+    from qerl.trainer import Batch
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                            target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all(p.dtype == torch.float32 for p in trained)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    trainer = make_trainer(model, tok, prompts, fp4=False, num_generations=2, completion_len=4, micro_batch_size=2,
+                           lora_r=4, seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (2, 10), generator=g)
+    batch = Batch(ids, torch.ones_like(ids), torch.ones(2, 4), torch.zeros(2, 4), torch.randn(2, generator=g))
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+             for name, m in model.named_modules() if name.endswith("lora_A.default")]
+    results = {}
+    try:
+        for mode in ("off", "auto"):
+            trainer.cfg = trainer.cfg.model_copy(update={"mixed_precision": mode})
+            seen.clear()
+            model.zero_grad()
+            lp, _ = trainer.logprobs(batch, slice(0, 2))
+            (lp * torch.linspace(-1, 1, 4)).sum().backward()
+            results[mode] = (lp.detach().float(), [p.grad.clone() for p in trained], set(seen))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert trainer._autocast_dtype() == torch.bfloat16
+    assert results["off"][2] == {torch.float32} and results["auto"][2] == {torch.bfloat16}
+    torch.testing.assert_close(results["auto"][0], results["off"][0], rtol=0, atol=5e-2)
+    for g_auto, g_off in zip(results["auto"][1], results["off"][1]):
+        assert g_auto.dtype == torch.float32
+        cos = torch.nn.functional.cosine_similarity(g_auto.flatten().double(), g_off.flatten().double(), dim=0)
+        assert cos > 0.99
+    trainer.cfg = trainer.cfg.model_copy(update={"mixed_precision": "auto"})
+    model.float()  # an fp32 model has nothing to autocast to
+    assert trainer._autocast_dtype() is None
