@@ -92,7 +92,8 @@ class TargetLogProb(torch.autograd.Function):
     Memory: forward keeps one fp32 (N, V) buffer (log softmax, computed in place) and backward rewrites that
     buffer in place into the gradient (softmax * -g, + g at the target), so a chunk costs 4 N V bytes plus the
     head's own output and its gradient (and one more fp32 buffer while the entropy is summed); torch's
-    log_softmax + gather + an entropy graph saved three fp32 (N, V) tensors and made as many again in backward. The entropy carries no gradient (it is a metric).
+    log_softmax + gather + an entropy graph saved three fp32 (N, V) tensors and made as many again in backward.
+    The entropy carries no gradient (it is a metric).
     """
 
     @staticmethod
