@@ -203,11 +203,13 @@ def run(models: list[str], rows_m: list[int], naive: bool) -> dict:
     return result
 
 
-# Candidate tiles per row bucket: (bm, bn, bk, warps, stages, maxnreg); split-K: none, 2 and 6 programs per SM.
-# "dense" = chunked dequantize + cuBLAS (qerl.quant.triton_dequant).
+# Candidate tiles per row bucket: (bm, bn, bk, warps, stages, maxnreg[, swap_ab]); split-K: none, 2 and 6 programs
+# per SM. "dense" = chunked dequantize + cuBLAS (qerl.quant.triton_dequant). The swap_ab tiles (W as the MMA's A
+# operand) have 4.8-5.2 SASS instructions per weight against 5.8 for the default few-row tile (sm_90 cubin).
 SWEEP_FWD = {
     16: [(16, 32, 256, 4, 4, 128), (16, 64, 256, 4, 4, None), (16, 64, 128, 4, 4, None), (16, 128, 128, 4, 3, None),
-         (16, 128, 128, 4, 4, None), (16, 128, 64, 4, 4, None), (16, 256, 64, 4, 4, None), (16, 256, 64, 8, 4, None)],
+         (16, 128, 128, 4, 4, None), (16, 128, 64, 4, 4, None), (16, 256, 64, 4, 4, None), (16, 256, 64, 8, 4, None),
+         (16, 32, 256, 2, 4, None, True), (16, 32, 128, 2, 4, None, True), (16, 32, 128, 2, 6, None, True)],
     64: [(32, 64, 256, 4, 3, None), (64, 64, 128, 4, 4, None), (64, 128, 64, 4, 4, None), (64, 128, 64, 4, 3, None),
          (64, 128, 128, 4, 3, None), (64, 256, 64, 8, 3, None), (64, 64, 64, 4, 4, None)],
     256: [(128, 128, 64, 8, 4, None), (64, 64, 128, 4, 4, None), "dense"],
@@ -233,14 +235,15 @@ def _candidates(tf, kind, m, n, k):
         if cand == "dense":
             yield "dense", {"path": "dense"}
             continue
-        bm, bn, bk, warps, stages, maxnreg = cand
+        bm, bn, bk, warps, stages, maxnreg, *swap = cand
         tiles = math.ceil(m / bm) * (math.ceil(n / bn) if kind == "fwd" else k // bk)
         k_tiles = math.ceil(k / bk) if kind == "fwd" else math.ceil(n / bn)
         splits = {1} if m > 64 else {1, tf._pick_split(tiles, k_tiles, dev, waves=2),
                                      tf._pick_split(tiles, k_tiles, dev, waves=6)}
         for sp in sorted(splits):
-            cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages, 8, maxnreg)
-            yield str(list(cfg)[:6] + ([maxnreg] if maxnreg else [])), {"config": cfg}
+            cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages, 8, maxnreg, bool(swap and swap[0]))
+            label = list(cfg)[:6] + ([maxnreg] if maxnreg else []) + (["swap"] if cfg.swap_ab else [])
+            yield str(label), {"config": cfg}
 
 
 def _try_config(kind, label, n, k, m, ref, call, copies) -> dict:

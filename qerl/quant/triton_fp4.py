@@ -214,16 +214,21 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
                    xa_ptr, lb_ptr, R, sxa, slb, lora_scale, N1, N2,
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr,
-                   EVEN_M: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr):
+                   EVEN_M: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, SWAP_AB: tl.constexpr):
     """out (M, N) = x (M, K) @ deq(W).T (+ bias) (+ lora_scale * xa @ lora_b.T); program (tile, split) reduces
     K-tiles [split*T, (split+1)*T).
 
     W may stack up to three weights along N (rows [0, N1), [N1, N2), [N2, N): e.g. q, k and v), each with its own
-    global scale gs[seg] and its own LoRA A columns xa[:, seg*R:(seg+1)*R]; BN divides N1 and N2."""
+    global scale gs[seg] and its own LoRA A columns xa[:, seg*R:(seg+1)*R]; BN divides N1 and N2. SWAP_AB computes
+    out.T = W @ x.T (W as the MMA's A operand, the few x rows as its N): fewer SASS instructions per weight for
+    few-row x in some tiles (counted on the cubin, sm_90), an option of the config sweep, not a default."""
     tile, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, GROUP_M, SPLIT)
     rn = offs_n % N  # wrapped weight rows load real data; only the store is masked
     offs_k = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP_AB:
+        acc_t = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(kt0, kt1):
         ks = kt * BK + offs_k
         a = _load_rows(x_ptr, offs_m, ks, M, K, sxm, sxk, EVEN_M, EVEN_K)
@@ -231,7 +236,12 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
         w = _dequant_tile(p, s, BN, BK, USE_ASM)
         if a.dtype != tl.bfloat16:
             w = w.to(a.dtype)  # exact: e2m1 * fp8 scale fits fp16 and fp32
-        acc = tl.dot(a, tl.trans(w), acc)
+        if SWAP_AB:
+            acc_t = tl.dot(w, tl.trans(a), acc_t)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
     seg = (pid_n * BN >= N1).to(tl.int32) + (pid_n * BN >= N2).to(tl.int32)
     acc = acc * (1.0 / tl.load(gs_ptr + seg))
     _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
@@ -295,6 +305,7 @@ class KernelConfig(NamedTuple):
     stages: int = 3
     group_m: int = 8
     maxnreg: int | None = None  # register cap per thread: more programs per SM, at the risk of spills
+    swap_ab: bool = False  # forward: out.T = W @ x.T (see _fp4_mm_kernel)
 
 
 def _target_programs(device: torch.device) -> int:
@@ -512,7 +523,8 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
         float(lora_scale), n1, n2,
         HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
         USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, HAS_LORA=xa is not None,
-        RP=max(16, triton.next_power_of_2(max(r, 1))), num_warps=cfg.warps, num_stages=cfg.stages,
+        RP=max(16, triton.next_power_of_2(max(r, 1))), SWAP_AB=cfg.swap_ab, num_warps=cfg.warps,
+        num_stages=cfg.stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.reshape(*lead, n)
 

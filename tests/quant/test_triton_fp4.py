@@ -150,6 +150,32 @@ def test_stacked_segments_match_separate_float64(tf, rows, sizes):
     assert frob < 5e-3 and worst < 2e-2, f"{sizes} rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
 
 
+@pytest.mark.parametrize("rows", [1, 8, 16])
+@pytest.mark.parametrize("bk,split", [(256, 1), (128, 4)])
+def test_swapped_operands_match_float64(tf, rows, bk, split):
+    """KernelConfig(swap_ab=True) (out.T = W @ x.T, a sweep option) on stacked q|k|v with LoRA and bias."""
+    sizes, k, rank = (3584, 512, 512), 3584, 16
+    parts = [_random_fp4(n, k, seed=3 * n + i) for i, n in enumerate(sizes)]
+    packed, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    gs = torch.cat([p[2].reshape(1) for p in parts])
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(len(sizes) * rank, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    b = 30 * torch.randn(sum(sizes), rank, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(sum(sizes), device="cuda", dtype=torch.bfloat16)
+    cfg = tf.KernelConfig(16, 32, bk, split, 2, 4, swap_ab=True)
+    out = tf.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes), config=cfg)
+    ref = tf.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
+    xa = (x.double() @ a.double().T).to(torch.bfloat16).double()
+    refs, start = [], 0
+    for i, (p, n) in enumerate(zip(parts, sizes)):
+        refs.append(x.double() @ dequantize_nvfp4(*p, torch.float64).T + bias[start:start + n].double()
+                    + 0.5 * xa[:, i * rank:(i + 1) * rank] @ b[start:start + n].double().T)
+        start += n
+    frob, worst = _rel_err(out, torch.cat(refs, dim=1))
+    assert frob < 5e-3 and worst < 2e-2, f"rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)  # the default tile agrees
+
+
 def test_lora_dispatch_on_cuda_equals_the_kernel(tf):
     from qerl.quant.kernels import fp4_lora_matmul
 
