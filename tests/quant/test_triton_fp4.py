@@ -125,12 +125,9 @@ def test_small_matmul_matches_float64(tf, rows):
         assert torch.equal(out, again)  # fixed summation order, counters re-armed
 
 
-@pytest.mark.parametrize("rows", [1, 16, 64, 300])
-@pytest.mark.parametrize("sizes", [(3584, 512, 512), (18944, 18944)])  # q|k|v and gate|up of the 7B
-def test_stacked_segments_match_separate_float64(tf, rows, sizes):
-    """Several weights in one launch: each segment with its own global scale, LoRA A block and B rows."""
-    k, rank = 3584, 16
-    parts = [_random_fp4(n, k, seed=n + i) for i, n in enumerate(sizes)]
+def _stacked_case(sizes, rows, rank=16, k=3584, seed=0):
+    """Stacked weights (own global scales), x, LoRA A blocks and B rows, bias; and their float64 result."""
+    parts = [_random_fp4(n, k, seed=seed + n + i) for i, n in enumerate(sizes)]
     assert len({p[2].item() for p in parts}) == len(parts)  # distinct global scales
     packed, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     gs = torch.cat([p[2].reshape(1) for p in parts])
@@ -138,7 +135,6 @@ def test_stacked_segments_match_separate_float64(tf, rows, sizes):
     a = torch.randn(len(sizes) * rank, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     b = 30 * torch.randn(sum(sizes), rank, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(sum(sizes), device="cuda", dtype=torch.bfloat16)
-    out = tf.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
     xa = (x.double() @ a.double().T).to(torch.bfloat16).double()
     refs, start = [], 0
     for i, (p, n) in enumerate(zip(parts, sizes)):
@@ -146,7 +142,15 @@ def test_stacked_segments_match_separate_float64(tf, rows, sizes):
         refs.append(x.double() @ w64.T + 0.5 * xa[:, i * rank:(i + 1) * rank] @ b[start:start + n].double().T
                     + bias[start:start + n].double())
         start += n
-    frob, worst = _rel_err(out, torch.cat(refs, dim=1))
+    return (x, packed, scale, gs, bias, a, b), torch.cat(refs, dim=1)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 300])
+@pytest.mark.parametrize("sizes", [(3584, 512, 512), (18944, 18944)])  # q|k|v and gate|up of the 7B
+def test_stacked_segments_match_separate_float64(tf, rows, sizes):
+    """Several weights in one launch: each segment with its own global scale, LoRA A block and B rows."""
+    args, ref = _stacked_case(sizes, rows)
+    frob, worst = _rel_err(tf.fp4_matmul_triton(*args, 0.5, segments=list(sizes)), ref)
     assert frob < 5e-3 and worst < 2e-2, f"{sizes} rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
 
 
@@ -154,26 +158,14 @@ def test_stacked_segments_match_separate_float64(tf, rows, sizes):
 @pytest.mark.parametrize("bk,split", [(256, 1), (128, 4)])
 def test_swapped_operands_match_float64(tf, rows, bk, split):
     """KernelConfig(swap_ab=True) (out.T = W @ x.T, a sweep option) on stacked q|k|v with LoRA and bias."""
-    sizes, k, rank = (3584, 512, 512), 3584, 16
-    parts = [_random_fp4(n, k, seed=3 * n + i) for i, n in enumerate(sizes)]
-    packed, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    gs = torch.cat([p[2].reshape(1) for p in parts])
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    a = torch.randn(len(sizes) * rank, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    b = 30 * torch.randn(sum(sizes), rank, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(sum(sizes), device="cuda", dtype=torch.bfloat16)
+    sizes = (3584, 512, 512)
+    args, ref = _stacked_case(sizes, rows, seed=7)
     cfg = tf.KernelConfig(16, 32, bk, split, 2, 4, swap_ab=True)
-    out = tf.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes), config=cfg)
-    ref = tf.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
-    xa = (x.double() @ a.double().T).to(torch.bfloat16).double()
-    refs, start = [], 0
-    for i, (p, n) in enumerate(zip(parts, sizes)):
-        refs.append(x.double() @ dequantize_nvfp4(*p, torch.float64).T + bias[start:start + n].double()
-                    + 0.5 * xa[:, i * rank:(i + 1) * rank] @ b[start:start + n].double().T)
-        start += n
-    frob, worst = _rel_err(out, torch.cat(refs, dim=1))
+    out = tf.fp4_matmul_triton(*args, 0.5, segments=list(sizes), config=cfg)
+    frob, worst = _rel_err(out, ref)
     assert frob < 5e-3 and worst < 2e-2, f"rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
-    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)  # the default tile agrees
+    default = tf.fp4_matmul_triton(*args, 0.5, segments=list(sizes))
+    torch.testing.assert_close(out, default, rtol=2e-2, atol=2e-2)
 
 
 def test_lora_dispatch_on_cuda_equals_the_kernel(tf):
