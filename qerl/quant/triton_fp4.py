@@ -317,7 +317,7 @@ def _pick_split(tiles: int, k_tiles: int, device: torch.device, min_tiles_per_sp
     """Enough reduction splits that tiles * split fills `waves` programs per SM, keeping >= min_tiles_per_split
     K-tiles each."""
     want = math.ceil(waves * _target_programs(device) / 2 / max(1, tiles))
-    return _no_empty_splits(max(1, min(want, k_tiles // min_tiles_per_split, 16)), k_tiles)
+    return _no_empty_splits(min(want, k_tiles // min_tiles_per_split, 16), k_tiles)
 
 
 def _no_empty_splits(split: int, k_tiles: int) -> int:

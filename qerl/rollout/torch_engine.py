@@ -79,9 +79,10 @@ class TorchEngine(RolloutEngine):
         self._shadows: dict[int, torch.nn.Parameter] = {}  # id(adapter weight) -> its copy in lora_dtype
         if fuse_projections not in (True, False, "auto"):
             raise QerlError(f"TorchEngine.fuse_projections: expected True, False or 'auto', got {fuse_projections!r}")
-        kinds = ("fp4", "dense") if fuse_projections is True or on_cuda else ()
-        self._groups = group_projections(model, kinds=kinds) if fuse_projections and kinds else []
-        self.stats["projection_groups"] = len(self._groups)
+        self._groups: list = []
+        self.stats["projection_groups"] = 0
+        if fuse_projections is True or (fuse_projections == "auto" and on_cuda):
+            self.fuse_projections(("fp4", "dense"))
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompt_ids, n: int = 1, sampling: SamplingParams | None = None) -> RolloutOutput:
