@@ -99,7 +99,16 @@ def _load_weight_tile(wp_ptr, ws_ptr, rows, kt, row_mask, K, swn, ssn, BK: tl.co
     offs_g = kt * (BK // 16) + tl.arange(0, BK // 16)
     p_ptrs = wp_ptr + rows[:, None].to(tl.int64) * swn + offs_b[None, :]
     s_ptrs = ws_ptr + rows[:, None].to(tl.int64) * ssn + offs_g[None, :]
-    if EVEN:
+    if EVEN and BK == 64:
+        # the tile's 4 scale bytes per row as one int32: a (rows, 4) uint8 load leaves under 4 bytes per thread at
+        # 64 rows / 128 threads, which Triton cannot turn into cp.async, so every K step waited for it
+        # (7B gate/up, M = 64, H100: long-scoreboard stalls, one memory latency per step)
+        s_word_ptrs = ws_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None].to(tl.int64) * (ssn // 4) + kt
+        p = tl.load(p_ptrs)
+        word = tl.load(s_word_ptrs)  # (R, 1)
+        shifts = tl.arange(0, 4)[None, :] * 8
+        s = ((word >> shifts) & 0xFF).to(tl.uint8)  # (R, 4): byte j = group j (little endian)
+    elif EVEN:
         p = tl.load(p_ptrs)
         s = tl.load(s_ptrs)
     else:
