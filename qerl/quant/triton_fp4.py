@@ -460,9 +460,22 @@ def _segment_bounds(segments, n: int, weight_global_scale: torch.Tensor) -> tupl
 SMALL_MM_MAX_ROWS = 64
 
 
-def small_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _small_split(bm: int, bn: int, bk: int, k_tiles: int, tiles: int, device: torch.device) -> int:
+    """K splits of `_small_mm_kernel`: enough programs to fill the GPU. From 32-row tiles on, also no more than
+    keeps the last program's serial sum (split partials of bm x bn fp32) within what each program reads of x and
+    w: split^2 <= k_tiles * bk * (bm + bn) * 2 bytes / (bm * bn * 4 bytes). H100, LoRA A of r 32 at 64 rows:
+    28 -> 7 splits takes q|k|v's x @ A.T from 11.3 to 7.0 us, down's (K 18944) 50 -> 19 from 10.3 to 8.1 us; at
+    16 rows the cap made some shapes slower (4.2 -> 4.5 us), so it is not applied there."""
+    split = min(k_tiles, _target_programs(device) // (2 * tiles), 64)
+    if bm > 16:
+        split = min(split, math.isqrt(k_tiles * bk * (bm + bn) * 2 // (bm * bn * 4)))
+    return max(1, split)
+
+
+def small_matmul(x2: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Tensor:
     """x2 (M, K) @ w (N, K).T in x2's dtype: `_small_mm_kernel` for M <= SMALL_MM_MAX_ROWS and N <= 256 in
-    bf16/fp16 on CUDA (a LoRA A at decode: ~2 kernels of cuBLAS become one), torch.matmul otherwise."""
+    bf16/fp16 on CUDA (a LoRA A at decode: ~2 kernels of cuBLAS become one), torch.matmul otherwise. `split`:
+    K splits (default `_small_split`)."""
     m, k = x2.shape
     n = w.shape[0]
     if (not x2.is_cuda or m > SMALL_MM_MAX_ROWS or n > 256 or x2.dtype not in (torch.bfloat16, torch.float16)
@@ -474,7 +487,7 @@ def small_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     bk = _k_block(k, 256 if bm <= 32 else 128)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_tiles = triton.cdiv(k, bk)
-    split = _no_empty_splits(min(k_tiles, _target_programs(x2.device) // (2 * tiles), 64), k_tiles)
+    split = _no_empty_splits(split or _small_split(bm, bn, bk, k_tiles, tiles, x2.device), k_tiles)
     part, cnt = _workspace(x2.device, tiles * split * bm * bn if split > 1 else 0, tiles)
     _small_mm_kernel[(tiles, split)](
         x2, w, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0),

@@ -211,17 +211,3 @@ def test_bad_inputs_raise_one_line_errors(tf):
         tf.fp4_matmul_triton(torch.randn(2, 64, device="cuda"), packed, scale, gs)
     with pytest.raises(QerlError, match="weight_scale"):
         tf.fp4_matmul_triton(torch.randn(2, 128, device="cuda"), packed, scale.float(), gs)
-
-
-def test_split_counts_leave_no_program_without_work():
-    """Every split of the reduction gets ceil(k_tiles / split) tiles and none is left empty."""
-    import math
-
-    from qerl.quant.triton_fp4 import _no_empty_splits
-
-    for k_tiles in range(1, 160):
-        for want in range(1, 70):
-            split = _no_empty_splits(want, k_tiles)
-            per = math.ceil(k_tiles / split)
-            assert 1 <= split <= want and (split - 1) * per < k_tiles, (k_tiles, want, split)
-    assert _no_empty_splits(64, 74) == 37  # 7B down_proj's x @ A.T: 74 K-tiles of 256
