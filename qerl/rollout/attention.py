@@ -10,17 +10,56 @@ and V are read once:
 
 Registered as the transformers attention implementation "qerl_decode"; `TorchEngine` switches a model to it only
 around its static decode steps (`attention_implementation`). The mask is the prepared 4D one (B, 1, T, L): bool
-(True = attend) or additive float.
+(True = attend) or additive float. On CUDA, one-token steps with a bool mask and bf16/fp16 heads of a power-of-two
+size run `qerl::gqa_decode` (qerl.rollout.triton_attention: one fused kernel per layer that reads K and V once
+and skips the masked-out, not yet filled part of the static cache); everything else runs the matmuls below.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
+import os
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "qerl_decode"
+
+
+@torch.library.custom_op("qerl::gqa_decode", mutates_args=())
+def _gqa_decode_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    from qerl.rollout.triton_attention import gqa_decode_attention
+
+    return gqa_decode_attention(query, key, value, keep, scale)
+
+
+@_gqa_decode_op.register_fake
+def _(query, key, value, keep, scale):
+    b, h, _, d = query.shape
+    return query.new_empty(b, 1, h, d)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ok(device_index: int) -> bool:
+    return (importlib.util.find_spec("triton") is not None
+            and torch.cuda.get_device_capability(device_index) >= (8, 0))
+
+
+def _fused_decode(query, key, value, attention_mask) -> bool:
+    """Whether this call can take the Triton kernel (QERL_DECODE_ATTENTION=torch turns it off)."""
+    if os.environ.get("QERL_DECODE_ATTENTION", "auto") == "torch" or not query.is_cuda:
+        return False
+    b, h, t, d = query.shape
+    return (t == 1 and attention_mask is not None and attention_mask.dtype == torch.bool
+            and attention_mask.shape[1:3] == (1, 1) and attention_mask.shape[0] == b
+            and attention_mask.shape[-1] == key.shape[2] and attention_mask.stride(-1) == 1
+            and query.dtype in (torch.bfloat16, torch.float16) and key.dtype == value.dtype == query.dtype
+            and 16 <= d <= 256 and d & (d - 1) == 0 and h % key.shape[1] == 0
+            and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+            and _triton_ok(query.device.index if query.device.index is not None else torch.cuda.current_device()))
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -32,6 +71,8 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
     kv = key.shape[1]
     g = h // kv
     scale = d ** -0.5 if scaling is None else scaling
+    if _fused_decode(query, key, value, attention_mask):
+        return _gqa_decode_op(query, key, value, attention_mask[:, 0, 0, :], float(scale)), None
     q = query.reshape(b, kv, g * t, d)  # query head kv*g + j belongs to KV head kv (transformers' repeat_kv order)
     scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale
     if attention_mask is not None:

@@ -45,3 +45,57 @@ def test_unsupported_features_and_context_restores_the_setting():
     with attention_implementation(model):
         assert model.config._attn_implementation == "qerl_decode"
     assert model.config._attn_implementation == "sdpa"
+
+
+def _decode_case(b, heads, kv_heads, length, d, seed, dtype=torch.bfloat16):
+    """A one-token decode step on CUDA: left-padded prompts, a filled prefix of varying length per row, the rest
+    of the static cache masked out (whole blocks of it)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, heads, 1, d, device="cuda", generator=gen).to(dtype)
+    k, v = (torch.randn(b, kv_heads, length, d, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    keep = torch.rand(b, length, device="cuda", generator=gen) > 0.2
+    filled = torch.randint(1, length + 1, (b,), device="cuda", generator=gen)
+    pad = (torch.rand(b, device="cuda", generator=gen) * filled * 0.5).long()
+    cols = torch.arange(length, device="cuda")
+    keep &= (cols[None] < filled[:, None]) & (cols[None] >= pad[:, None])
+    keep[torch.arange(b), filled - 1] = True  # the current token
+    return q, k, v, keep
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv_heads,d", [(28, 4, 128), (40, 8, 128), (8, 8, 64), (12, 2, 64)])
+@pytest.mark.parametrize("b,length", [(1, 37), (3, 300), (64, 1281)])
+def test_triton_kernel_matches_float64(heads, kv_heads, d, b, length):
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from qerl.rollout.triton_attention import gqa_decode_attention
+
+    q, k, v, keep = _decode_case(b, heads, kv_heads, length, d, seed=heads + length)
+    ref = _reference(q, k, v, keep[:, None, None, :], d ** -0.5)
+    def rel_err(out):  # per (row, head): outputs are averages of many values, so compare against their norm
+        err = (out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)
+        return err.max().item()
+
+    for split in (None, 1, 3, 10_000):
+        out = gqa_decode_attention(q, k, v, keep, d ** -0.5, split=split)
+        assert out.shape == (b, 1, heads, d) and out.dtype == q.dtype
+        assert rel_err(out) < 1e-2, f"split {split}: {rel_err(out):.2e}"
+    # the transformers entry point takes the kernel for this case
+    out, _ = decode_attention(None, q, k, v, keep[:, None, None, :])
+    assert rel_err(out) < 1e-2
+
+
+@pytest.mark.gpu
+def test_fused_path_is_taken_only_where_it_applies(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from qerl.rollout import attention
+
+    q, k, v, keep = _decode_case(2, 28, 4, 70, 128, seed=0)
+    mask = keep[:, None, None, :]
+    assert attention._fused_decode(q, k, v, mask)
+    assert not attention._fused_decode(q.float(), k.float(), v.float(), mask)  # fp32: torch path
+    assert not attention._fused_decode(q, k, v, torch.zeros(mask.shape, device="cuda"))  # additive mask
+    monkeypatch.setenv("QERL_DECODE_ATTENTION", "torch")
+    assert not attention._fused_decode(q, k, v, mask)
