@@ -2,10 +2,11 @@
 `qerl.rollout.attention.decode_attention`).
 
 One program per (row, KV head, split of the cache): the query heads of a KV head are the rows of one tensor-core
-tile, K and V are read once in blocks of BL positions with an online softmax (flash-decoding), and a block whose
-mask is all False is skipped without reading K or V. The static cache is as long as the longest call needs, and
-its positions past the current token are masked, so early decode steps read only the filled part. Splits along
-the cache keep every SM busy at small batches; their partial (max, sum, output) are combined afterwards.
+tile, K and V are read once in blocks of BL positions with an online softmax (flash-decoding). Each program first
+finds its row's last kept position in the mask and reads no block after it: the static cache is as long as the
+longest call needs and is masked past the current token, so decode steps read only the filled part, and the
+splits share out that part. Splits keep every SM busy at small batches; a second kernel combines their partial
+(max, sum, output).
 """
 from __future__ import annotations
 
@@ -20,11 +21,18 @@ from qerl.quant.tiling import target_programs
 def _gqa_decode_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, pm_ptr, pl_ptr, pacc_ptr, L, scale,
                        sqb, sqh, skb, skh, skl, svb, svh, svl, smb, sob, soh,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
-                       SPLIT: tl.constexpr):
+                       SPLIT: tl.constexpr, SCAN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    n_blocks = tl.cdiv(L, BL)
+    # the row's last kept cache position: blocks after it (the unfilled static cache) are never read, and the
+    # splits share out only the blocks before it
+    last = -1
+    for c in range(0, L, SCAN):
+        offs = c + tl.arange(0, SCAN)
+        kept = tl.load(m_ptr + b * smb + offs, mask=offs < L, other=0) != 0
+        last = tl.maximum(last, tl.max(tl.where(kept, offs, -1), 0))
+    n_blocks = last // BL + 1
     per_split = tl.cdiv(n_blocks, SPLIT)
     blk0 = sp * per_split
     blk1 = tl.minimum(blk0 + per_split, n_blocks)
@@ -42,19 +50,17 @@ def _gqa_decode_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, pm_ptr, pl_ptr, pacc_p
         offs_l = blk * BL + offs_b
         inside = offs_l < L
         keep = tl.load(m_ptr + b * smb + offs_l, mask=inside, other=0) != 0
-        if tl.max(keep.to(tl.int32), 0) > 0:  # a block nobody attends to costs no K/V traffic
-            k = tl.load(k_base + offs_l[:, None].to(tl.int64) * skl + offs_d[None, :], mask=inside[:, None],
-                        other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(keep[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the block has a kept position
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + offs_l[:, None].to(tl.int64) * svl + offs_d[None, :], mask=inside[:, None],
-                        other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        k = tl.load(k_base + offs_l[:, None].to(tl.int64) * skl + offs_d[None, :], mask=inside[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(keep[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept yet: weights stay 0, not NaN
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_l[:, None].to(tl.int64) * svl + offs_d[None, :], mask=inside[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     if SPLIT == 1:
         out = acc / l_i[:, None]
         tl.store(o_ptr + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -66,7 +72,32 @@ def _gqa_decode_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, pm_ptr, pl_ptr, pacc_p
         tl.store(pacc_ptr + (row * GP + offs_g[:, None]) * D + offs_d[None, :], acc)
 
 
+@triton.jit
+def _gqa_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, o_ptr, sob, soh,
+                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    """out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m): the splits of one (row, KV head)."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    base = (b * tl.num_programs(1) + kvh) * SPLIT
+    top = tl.full((GP,), float("-inf"), tl.float32)
+    for s in range(SPLIT):
+        top = tl.maximum(top, tl.load(pm_ptr + (base + s) * GP + offs_g))
+    num = tl.zeros((GP, D), tl.float32)
+    den = tl.zeros((GP,), tl.float32)
+    for s in range(SPLIT):
+        w = tl.exp(tl.load(pm_ptr + (base + s) * GP + offs_g) - top)  # 0 for a split that kept nothing
+        den += w * tl.load(pl_ptr + (base + s) * GP + offs_g)
+        num += w[:, None] * tl.load(pacc_ptr + ((base + s) * GP + offs_g[:, None]) * D + offs_d[None, :])
+    out = num / den[:, None]
+    heads = kvh * G + offs_g
+    tl.store(o_ptr + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=offs_g[:, None] < G)
+
+
 BLOCK_L = 64
+SCAN_BLOCK = 1024
 
 
 def gqa_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor,
@@ -93,14 +124,8 @@ def gqa_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         query, key, value, keep, out, pm, pl, pacc, length, float(scale),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), keep.stride(0), out.stride(0), out.stride(2),
-        G=g, GP=gp, D=d, BL=BLOCK_L, SPLIT=split, num_warps=4, num_stages=2)
-    if split == 1:
-        return out
-    # combine the splits: weights exp(m_s - max_s m_s) (0 for splits without a kept position)
-    top = pm.amax(dim=2, keepdim=True)
-    w = torch.exp(pm - top)
-    num = (w.unsqueeze(-1) * pacc).sum(dim=2)
-    den = (w * pl).sum(dim=2).unsqueeze(-1)
-    res = (num / den)[:, :, :g]  # (B, Hkv, G, D): head kv*G + j
-    out.copy_(res.reshape(b, 1, h, d))
+        G=g, GP=gp, D=d, BL=BLOCK_L, SPLIT=split, SCAN=SCAN_BLOCK, num_warps=4, num_stages=3)
+    if split > 1:
+        _gqa_combine_kernel[(b, kv)](pm, pl, pacc, out, out.stride(0), out.stride(2), G=g, GP=gp, D=d, SPLIT=split,
+                                     num_warps=4)
     return out
