@@ -1,6 +1,8 @@
 """Grouped-query decode attention vs float64 attention over explicitly repeated KV heads."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -81,8 +83,12 @@ def test_triton_kernel_matches_float64(heads, kv_heads, d, b, length):
         out = gqa_decode_attention(q, k, v, keep, d ** -0.5, split=split)
         assert out.shape == (b, 1, heads, d) and out.dtype == q.dtype
         assert rel_err(out) < 1e-2, f"split {split}: {rel_err(out):.2e}"
-    # the transformers entry point takes the kernel for this case
-    out, _ = decode_attention(None, q, k, v, keep[:, None, None, :])
+    # the transformers entry point, forced onto the kernel
+    os.environ["QERL_DECODE_ATTENTION"] = "triton"
+    try:
+        out, _ = decode_attention(None, q, k, v, keep[:, None, None, :])
+    finally:
+        os.environ.pop("QERL_DECODE_ATTENTION")
     assert rel_err(out) < 1e-2
 
 
@@ -92,9 +98,11 @@ def test_fused_path_is_taken_only_where_it_applies(monkeypatch):
         pytest.skip("needs a CUDA GPU")
     from qerl.rollout import attention
 
-    q, k, v, keep = _decode_case(2, 28, 4, 70, 128, seed=0)
+    rows = torch.cuda.get_device_properties(0).multi_processor_count // 4  # one program per SM with 4 KV heads
+    q, k, v, keep = _decode_case(rows, 28, 4, 70, 128, seed=0)
     mask = keep[:, None, None, :]
     assert attention._fused_decode(q, k, v, mask)
+    assert not attention._fused_decode(q[:rows - 1], k[:rows - 1], v[:rows - 1], mask[:rows - 1])  # too few rows
     assert not attention._fused_decode(q.float(), k.float(), v.float(), mask)  # fp32: torch path
     assert not attention._fused_decode(q, k, v, torch.zeros(mask.shape, device="cuda"))  # additive mask
     monkeypatch.setenv("QERL_DECODE_ATTENTION", "torch")
