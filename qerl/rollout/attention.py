@@ -11,8 +11,8 @@ and V are read once:
 Registered as the transformers attention implementation "qerl_decode"; `TorchEngine` switches a model to it only
 around its static decode steps (`attention_implementation`). The mask is the prepared 4D one (B, 1, T, L): bool
 (True = attend) or additive float. On CUDA, one-token steps with a bool mask, bf16/fp16 heads of a power-of-two
-size and enough rows run `qerl::gqa_decode` (qerl.rollout.triton_attention: one fused kernel per layer that reads K and V once
-and skips the masked-out, not yet filled part of the static cache); everything else runs the matmuls below.
+size and enough rows run `qerl::gqa_decode` (qerl.rollout.triton_attention: one fused kernel per layer that reads
+K and V once and skips the not yet filled part of the static cache); everything else runs the matmuls below.
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def _fused_decode(query, key, value, attention_mask) -> bool:
     if choice == "torch" or not query.is_cuda:
         return False
     b, h, t, d = query.shape
-    if choice != "triton" and b * key.shape[1] < torch.cuda.get_device_properties(query.device).multi_processor_count:
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+    if choice != "triton" and b * key.shape[1] < sms:
         return False
     return (t == 1 and attention_mask is not None and attention_mask.dtype == torch.bool
             and attention_mask.shape[1:3] == (1, 1) and attention_mask.shape[0] == b
