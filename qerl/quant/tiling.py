@@ -35,11 +35,11 @@ def k_block(k: int, preferred: int) -> int:
 
 
 def small_split(bm: int, bn: int, bk: int, k_tiles: int, tiles: int, device: torch.device) -> int:
-    """K splits of `qerl.quant.triton_fp4._small_mm_kernel`: enough programs to fill the GPU. From 32-row tiles
-    on, also no more than keeps the last program's serial sum (split partials of bm x bn fp32) within what each program reads of x and
-    w: split^2 <= k_tiles * bk * (bm + bn) * 2 bytes / (bm * bn * 4 bytes). H100, LoRA A of r 32 at 64 rows:
-    28 -> 7 splits takes q|k|v's x @ A.T from 11.3 to 7.0 us, down's (K 18944) 50 -> 19 from 10.3 to 8.1 us; at
-    16 rows the cap made some shapes slower (4.2 -> 4.5 us), so it is not applied there."""
+    """K splits of `qerl.quant.triton_fp4._small_mm_kernel`: enough programs to fill the GPU. From 32-row tiles on,
+    also no more than keeps the last program's serial sum (split partials of bm x bn fp32) within what each program
+    reads of x and w: split^2 <= k_tiles * bk * (bm + bn) * 2 bytes / (bm * bn * 4 bytes). H100, LoRA A of r 32 at
+    64 rows: 28 -> 7 splits takes q|k|v's x @ A.T from 11.3 to 7.0 us, down's (K 18944) 50 -> 19 from 10.3 to 8.1
+    us; at 16 rows the cap made some shapes slower (4.2 -> 4.5 us), so it is not applied there."""
     split = min(k_tiles, target_programs(device) // (2 * tiles), 64)
     if bm > 16:
         split = min(split, math.isqrt(k_tiles * bk * (bm + bn) * 2 // (bm * bn * 4)))
