@@ -96,6 +96,9 @@ class TrainConfig(_Section):
     gradient_checkpointing: bool = False
     offload_activations: bool = Field(False, description="keep tensors saved for backward (with gradient "
                                       "checkpointing: each layer's input) in pinned CPU memory")
+    mlp_chunks: int = Field(1, ge=1, le=64, description="token slices of each decoder MLP in training (qerl."
+                            "tiled_mlp): backward holds one slice's intermediate-size tensors at a time, for one "
+                            "more MLP forward per update")
     mixed_precision: Literal["auto", "off"] = Field(
         "auto", description="auto: a model computing in bf16/fp16 with fp32 trainable parameters (peft adapters) "
         "runs its training forward under torch.autocast in the model's dtype (LoRA matmuls in bf16 like the "

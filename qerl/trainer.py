@@ -86,6 +86,10 @@ class GRPOTrainer:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.log_metrics = log_metrics or (lambda m, s: None)
         self.device = next(p for p in model.parameters()).device
+        if cfg.mlp_chunks > 1:
+            from qerl.tiled_mlp import tile_mlps
+
+            tile_mlps(model, cfg.mlp_chunks)
         self.total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * len(prompts) / cfg.batch_size)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:

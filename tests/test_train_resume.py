@@ -155,3 +155,27 @@ def test_offloaded_activations_give_the_same_update(nvfp4_dir, task, tmp_path, m
     for name in adapters[0]:
         torch.testing.assert_close(adapters[1][name], adapters[0][name], rtol=1e-5, atol=1e-7)
     assert any(not torch.equal(p, torch.zeros_like(p)) for p in adapters[1].values())
+
+
+def test_mlp_chunks_give_the_same_update(nvfp4_dir, task, tmp_path, monkeypatch):
+    """train.mlp_chunks tiles every decoder MLP of the trained model; one update equals the untiled one."""
+    monkeypatch.syspath_prepend(str(task))
+    from qerl import trainer as trainer_mod
+    from qerl.config import parse_section
+    from qerl.tiled_mlp import decoder_mlps
+    from qerl.train import _setup_data, _setup_model, _setup_rewards
+
+    adapters = []
+    for chunks in (1, 3):
+        cfg = parse_section("train", {**_train_config(task), "gradient_checkpointing": True, "mlp_chunks": chunks})
+        torch.manual_seed(0)
+        model, tok = _setup_model(cfg, str(nvfp4_dir))
+        prompts, answers = _setup_data(cfg, tok)
+        tr = trainer_mod.GRPOTrainer(cfg, model, tok, prompts, answers, _setup_rewards(cfg),
+                                     checkpoint_dir=tmp_path / f"ck{chunks}")
+        mlps = decoder_mlps(model)
+        assert mlps and all(("forward" in vars(m)) == (chunks > 1) for m in mlps)
+        tr.update(tr.rollout(0), 0)
+        adapters.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    for name in adapters[0]:
+        torch.testing.assert_close(adapters[1][name], adapters[0][name], rtol=1e-5, atol=1e-7)

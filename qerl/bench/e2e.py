@@ -61,6 +61,7 @@ def _parse(argv=None) -> argparse.Namespace:
                         "the engine's default (FP4 and bf16 LoRA layers on CUDA), all = both kinds on any device")
     p.add_argument("--logprob-chunk", type=int, default=None,
                    help="train.logprob_chunk_size of the trainer (default: the config's)")
+    p.add_argument("--mlp-chunks", type=int, default=1, help="train.mlp_chunks of the trainer (qerl.tiled_mlp)")
     p.add_argument("--profile-tokens", type=int, default=0,
                    help="also profile one rollout of this many tokens at the first batch (kernels per step)")
     p.add_argument("--out-name", default="e2e.json")

@@ -112,11 +112,13 @@ def _step_table(payload: dict) -> list[str]:
 
 def _memory_table(payload: dict) -> list[str]:
     mem = payload.get("memory", [])
-    def ref_of(m):  # 7B bf16 LoRA at the same micro-batch and offload setting
+    def ref_of(m):  # 7B bf16 LoRA at the same micro-batch, offload and MLP slicing
         return next((r.get("peak_bytes") for r in mem if r.get("size") == "7B" and r.get("mode") == "bf16"
-                     and r.get("rows") == m.get("rows") and r.get("offload") == m.get("offload")), None)
+                     and r.get("rows") == m.get("rows") and r.get("offload") == m.get("offload")
+                     and r.get("mlp_chunks", 1) == m.get("mlp_chunks", 1)), None)
 
-    lines = ["| model | mode | tokens | offload | model GiB | peak GiB | <= 75 GiB | vs 7B bf16 LoRA (same setting) |",
+    lines = ["| model | mode | tokens | offload, MLP slices | model GiB | peak GiB | <= 75 GiB | vs 7B bf16 LoRA (same "
+             "setting) |",
              "|---" * 8 + "|"]
     for m in mem:
         ref = ref_of(m)
@@ -125,7 +127,8 @@ def _memory_table(payload: dict) -> list[str]:
         tokens = f"{m['rows']} x ({m['prompt_len']} + {m['completion_len']})" if "rows" in m else "-"
         fits = "-" if peak is None else ("yes" if peak / GIB <= MEMORY_LIMIT_GIB else "no")
         ratio = "-" if peak is None or not ref else f"{100 * peak / ref:.0f}%"
-        lines.append(f"| {m.get('size')} | {m.get('mode')} | {tokens} | {'yes' if m.get('offload') else 'no'} "
+        lines.append(f"| {m.get('size')} | {m.get('mode')} | {tokens} | {'yes' if m.get('offload') else 'no'}, "
+                     f"{m.get('mlp_chunks', 1)} "
                      f"| {_f(model, '.1f')} "
                      f"| {_f(None if peak is None else peak / GIB, '.1f')} | {fits} | {ratio} |")
     return lines
