@@ -25,6 +25,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from qerl.quant.tiling import target_programs
+
 NAME = "qerl_decode"
 
 
@@ -57,8 +59,7 @@ def _fused_decode(query, key, value, attention_mask) -> bool:
     if choice == "torch" or not query.is_cuda:
         return False
     b, h, t, d = query.shape
-    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    if choice != "triton" and b * key.shape[1] < sms:
+    if choice != "triton" and b * key.shape[1] < target_programs(query.device) // 2:  # one program per SM
         return False
     return (t == 1 and attention_mask is not None and attention_mask.dtype == torch.bool
             and attention_mask.shape[1:3] == (1, 1) and attention_mask.shape[0] == b
