@@ -40,12 +40,14 @@ def tile_mlps(model: nn.Module, chunks: int) -> int:
         raise ValueError(f"chunks: expected >= 1, got {chunks}")
     mlps = decoder_mlps(model)
     for mlp in mlps:
-        original = getattr(mlp, _ORIGINAL, None) or mlp.forward
-        if chunks == 1:
-            if hasattr(mlp, _ORIGINAL):
-                del mlp.forward  # the instance attribute: the class's forward again
-                delattr(mlp, _ORIGINAL)
-            continue
-        setattr(mlp, _ORIGINAL, original)
-        mlp.forward = functools.partial(_tiled_forward, original, chunks)
+        if hasattr(mlp, _ORIGINAL):  # untile first: what `forward` was before (an instance hook, or the class's)
+            original, instance_forward = getattr(mlp, _ORIGINAL)
+            delattr(mlp, _ORIGINAL)
+            if instance_forward:
+                mlp.forward = original
+            else:
+                del mlp.forward
+        if chunks > 1:
+            setattr(mlp, _ORIGINAL, (mlp.forward, "forward" in vars(mlp)))
+            mlp.forward = functools.partial(_tiled_forward, mlp.forward, chunks)
     return len(mlps)

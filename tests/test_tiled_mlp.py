@@ -96,3 +96,23 @@ def test_tiled_mlp_lowers_the_peak_of_a_checkpointed_update():
         peaks[chunks] = mode.peak
     one_tensor = 512 * 1024 * 4  # one (tokens, intermediate) fp32 tensor: 2 MiB
     assert peaks[4] < peaks[1] - 2 * one_tensor, peaks
+
+
+def test_untiling_puts_back_an_instance_forward(tiny_model_dir):
+    """A forward set on the instance before tiling (as accelerate's hooks do) is what untiling restores."""
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    mlp = decoder_mlps(model)[0]
+    seen = []
+
+    def hooked(x, _inner=mlp.forward):
+        seen.append(x.shape)
+        return _inner(x)
+
+    mlp.forward = hooked
+    tile_mlps(model, 2)
+    tile_mlps(model, 3)  # re-tiling keeps the hook underneath
+    x = torch.randn(1, 6, model.config.hidden_size, requires_grad=True)
+    mlp(x).sum().backward()
+    assert seen and max(s[-2] for s in seen) == 2  # the hook ran on 3 slices of 2 tokens
+    tile_mlps(model, 1)
+    assert vars(mlp)["forward"] is hooked
