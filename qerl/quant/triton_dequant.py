@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.quant.triton_fp4 import _dequant_tile
+from qerl.quant.triton_fp4 import DEQ_GAIN, _dequant_tile
 
 CHUNK_ELEMENTS = 32 * 2**20
 MIN_SPLIT_ELEMENTS = 8 * 2**20  # weights at least this large get 2 chunks, so dequant and matmul overlap
@@ -42,7 +42,7 @@ def _dequant_kernel(wp_ptr, ws_ptr, gs_ptr, out_ptr, R, C, swn, ssn, so,
     s = tl.load(ws_ptr + rows[:, None].to(tl.int64) * ssn + offs_g[None, :],
                 mask=rmask & (offs_g[None, :] < C // 16), other=0)
     s = s.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-    w = _dequant_tile(p, s, BR, BC, USE_ASM).to(tl.float32) * (1.0 / tl.load(gs_ptr))
+    w = _dequant_tile(p, s, BR, BC, USE_ASM).to(tl.float32) * (DEQ_GAIN / tl.load(gs_ptr))
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * so + cols[None, :], w.to(out_ptr.dtype.element_ty),
              mask=rmask & (cols[None, :] < C))

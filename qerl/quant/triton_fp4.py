@@ -4,8 +4,8 @@
     gx = fp4_matmul_t_triton(g, weight_packed, weight_scale, weight_global_scale)       # g @ deq(W)
 
 The weight never exists dequantized in device memory: each program loads a tile of packed bytes and FP8 group
-scales, turns them into bf16 in registers (e2m1 * scale, exact in bf16), feeds the tensor cores and multiplies the
-fp32 accumulator by 1 / global_scale once at the end. Decode shapes (few rows) read 0.5625 bytes per weight instead
+scales, turns them into bf16 in registers (e2m1 * scale / 128, exact in bf16), feeds the tensor cores and multiplies
+the fp32 accumulator by 128 / global_scale once at the end. Decode shapes (few rows) read 0.5625 bytes per weight instead
 of bf16's 2, so they are bandwidth bound and split the reduction across programs (split-K) to fill the GPU; the
 partial tiles are summed by the last program to finish (a per-tile counter), so one launch does everything.
 
@@ -13,8 +13,8 @@ Layout (compressed-tensors NVFP4): weight_packed uint8 (N, K/2), column 2j in th
 sign bit (8) | index into {0, .5, 1, 1.5, 2, 3, 4, 6}; weight_scale float8_e4m3fn (N, K/16); weight_global_scale
 float32 (1,); W = e2m1 * scale / global_scale.
 
-The unpacking uses a lookup through `prmt` byte permutes in inline PTX (8 weights from one 32-bit word in 19
-instructions, written straight as the bf16 pairs the tensor-core operand holds); `USE_ASM=False` selects a
+The unpacking moves bits in inline PTX (8 weights from one 32-bit word in 17 instructions with the scale multiply,
+no lookup table, written straight as the bf16 pairs the tensor-core operand holds); `USE_ASM=False` selects a
 plain-Triton decode of the same numbers (slower; kept as the readable reference and for Triton's CPU interpreter).
 Triton converts the FP8 scales only from sm_89 on, so the dispatcher (qerl.quant.kernels) sends older GPUs to the
 torch reference path.
@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from qerl.errors import QerlError
+from qerl.quant import ptx
 from qerl.quant.tiling import k_block as _k_block
 from qerl.quant.tiling import no_empty_splits as _no_empty_splits
 from qerl.quant.tiling import pick_split as _pick_split
@@ -36,43 +37,19 @@ from qerl.quant.tiling import small_split as _small_split
 
 GROUP = 16
 
-# The 8 E2M1 magnitudes as bf16 bit patterns, split into high and low bytes and packed as prmt lookup tables:
-# 0, .5, 1, 1.5 | 2, 3, 4, 6  ->  0x0000 0x3F00 0x3F80 0x3FC0 | 0x4000 0x4040 0x4080 0x40C0
-# One call: 4 packed bytes ($4) -> 4 registers, register j = [bf16(low nibble of byte j), bf16(high nibble)] (the
-# two consecutive-k weights of byte j, already in the order the tensor-core operand wants: no repacking after),
-# each multiplied by the bf16 group scale that $5..$8 carry duplicated in both halves (fma with -0: mul.bf16x2
-# needs sm_90, fma.bf16x2 runs from sm_80; ptxas emits the same HMUL2).
-_E2M1_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 m, m16, r4, ha, la, hb, lb, sa, sb, t0, t1, t2, t3, nz;
-mov.b32 nz, 0x80008000;
-and.b32 m, $4, 0x77777777;
-shr.u32 m16, m, 16;
-shl.b32 r4, $4, 4;
-prmt.b32 ha, 0x3F3F3F00, 0x40404040, m;
-prmt.b32 la, 0xC0800000, 0xC0804000, m;
-prmt.b32 hb, 0x3F3F3F00, 0x40404040, m16;
-prmt.b32 lb, 0xC0800000, 0xC0804000, m16;
-prmt.b32 sa, r4, $4, 0xD9C8;
-prmt.b32 sb, r4, $4, 0xFBEA;
-lop3.b32 ha, ha, sa, 0x80808080, 0xF8;
-lop3.b32 hb, hb, sb, 0x80808080, 0xF8;
-prmt.b32 t0, la, ha, 0x5140;
-prmt.b32 t1, la, ha, 0x7362;
-prmt.b32 t2, lb, hb, 0x5140;
-prmt.b32 t3, lb, hb, 0x7362;
-fma.rn.bf16x2 $0, t0, $5, nz;
-fma.rn.bf16x2 $1, t1, $6, nz;
-fma.rn.bf16x2 $2, t2, $7, nz;
-fma.rn.bf16x2 $3, t3, $8, nz;
-}
-""")
+# The E2M1 -> bf16 decode (inline PTX, explained in qerl.quant.ptx): one call turns 4 packed bytes into the 4
+# registers of bf16 pairs that the tensor-core operand holds, times the group scale, as e2m1 * scale / DEQ_GAIN.
+_E2M1_BF16_ASM = tl.constexpr(ptx.E2M1_BF16)
+DEQ_GAIN = tl.constexpr(ptx.DEQ_GAIN)
+_SCALE_UP = tl.constexpr(ptx.SCALE_UP)
 
 
 @triton.jit
 def _dequant_tile(p, s, BR: tl.constexpr, BC: tl.constexpr, USE_ASM: tl.constexpr):
-    """Packed bytes p (BR, BC/2) uint8 + bf16 group scales s (BR, BC/16) -> e2m1 * scale (BR, BC) bf16 (exact)."""
+    """Packed bytes p (BR, BC/2) uint8 + bf16 group scales s (BR, BC/16) -> e2m1 * scale / DEQ_GAIN (BR, BC) bf16
+    (exact)."""
     if USE_ASM:
+        s = (s.to(tl.float32) * _SCALE_UP).to(tl.bfloat16)  # exact
         bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         s2 = tl.reshape(tl.broadcast_to(tl.expand_dims(bits | (bits << 16), 2), (BR, BC // 16, 8)), (BR, BC // 2))
         pair = tl.inline_asm_elementwise(
@@ -89,7 +66,7 @@ def _dequant_tile(p, s, BR: tl.constexpr, BC: tl.constexpr, USE_ASM: tl.constexp
         normal = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)
         v = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
         v = tl.where((c & 8) != 0, -v, v)
-        v = tl.reshape(v, (BR, BC // 16, 16)) * tl.expand_dims(s.to(tl.float32), 2)
+        v = tl.reshape(v, (BR, BC // 16, 16)) * tl.expand_dims(s.to(tl.float32) * (1.0 / DEQ_GAIN), 2)
         return tl.reshape(v, (BR, BC)).to(tl.bfloat16)
 
 
@@ -256,7 +233,7 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
     if SWAP_AB:
         acc = tl.trans(acc_t)
     seg = (pid_n * BN >= N1).to(tl.int32) + (pid_n * BN >= N2).to(tl.int32)
-    acc = acc * (1.0 / tl.load(gs_ptr + seg))
+    acc = acc * (DEQ_GAIN / tl.load(gs_ptr + seg))
     _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
                  xa_ptr + seg * R, lb_ptr, R, sxa, slb, lora_scale, HAS_BIAS, SPLIT, BM, BN, HAS_LORA, RP)
 
@@ -285,7 +262,7 @@ def _fp4_mm_t_kernel(g_ptr, wp_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
         if a.dtype != tl.bfloat16:
             w = w.to(a.dtype)
         acc = tl.dot(a, w, acc)
-    acc = acc * (1.0 / tl.load(gs_ptr))
+    acc = acc * (DEQ_GAIN / tl.load(gs_ptr))
     _finish_tile(acc, out_ptr, out_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_k, M, K, som, sok,
                  out_ptr, out_ptr, 0, 0, 0, 0.0, False, SPLIT, BM, BK, False, 16)
 
