@@ -1,0 +1,297 @@
+"""Prototype: a hand-written CUDA W4A16 NVFP4 GEMV for M <= 8 against qerl's Triton kernel (benchmark only).
+
+    python -m qerl.bench.cuda_gemv --out results/bench/cuda_gemv.json     # needs a CUDA GPU and nvcc
+
+Why (BENCHMARKS.md, session 6): `qerl.bench.anatomy` shows the Triton few-row kernel is bound by its on-chip work
+per weight (5.5 SASS instructions per weight and thread), not by the weight bytes. This kernel is the design
+sketched there, written by hand: `mma.sync` m16n8k16 with W as the A operand, decoded in registers straight from
+16-byte global loads (qerl.quant.ptx's bit trick, no shared memory), the K order permuted so one thread's 32
+contiguous weights of a row feed 8 MMAs, and x read from global memory (L1) in the same permuted order as the B
+operand; the next chunk of 128 weights per row is loaded while the current one is computed; K splits add fp32
+partials with atomics into a zeroed (M, N) buffer. 3.5 SASS instructions per weight and thread in its loop
+(sm_90), against 5.5 for the Triton kernel's. Tried and slower (session 6): x staged in shared memory per block
+with two chunks of W in flight (down 20.4 -> 22.1 us at M = 1).
+
+Not wired into qerl: it lacks bias, the LoRA epilogue, stacked segments, M > 8, ragged N / K and an in-kernel
+finish (the `full` column adds the zeroing and the scale + bf16 conversion as torch ops). It is compiled with nvcc
+into a cubin and launched through the CUDA driver API (ctypes) on torch's current stream, so CUDA graphs capture it.
+Every timed configuration is first checked against the float64 reference.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = r"""#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+__device__ __forceinline__ void decode8(uint32_t w, uint32_t s2, uint32_t &o0, uint32_t &o1, uint32_t &o2,
+                                        uint32_t &o3) {
+  // qerl.quant.ptx's decode with mul.bf16x2 (sm_90) instead of fma with -0
+  asm("{\n"
+      ".reg .b32 r, x0, x1, x2, x3;\n"
+      "shf.l.wrap.b32 r, %4, %4, 4;\n"
+      "prmt.b32 x0, r, %4, 0xC184;\n"
+      "prmt.b32 x1, r, %4, 0xD295;\n"
+      "prmt.b32 x2, r, %4, 0xE3A6;\n"
+      "prmt.b32 x3, r, %4, 0xF0B7;\n"
+      "shl.b32 x0, x0, 6;\n"
+      "shl.b32 x1, x1, 6;\n"
+      "shl.b32 x2, x2, 6;\n"
+      "shl.b32 x3, x3, 6;\n"
+      "and.b32 x0, x0, 0x81C081C0;\n"
+      "and.b32 x1, x1, 0x81C081C0;\n"
+      "and.b32 x2, x2, 0x81C081C0;\n"
+      "and.b32 x3, x3, 0x81C081C0;\n"
+      "mul.rn.bf16x2 %0, x0, %5;\n"
+      "mul.rn.bf16x2 %1, x1, %5;\n"
+      "mul.rn.bf16x2 %2, x2, %5;\n"
+      "mul.rn.bf16x2 %3, x3, %5;\n"
+      "}\n"
+      : "=r"(o0), "=r"(o1), "=r"(o2), "=r"(o3)
+      : "r"(w), "r"(s2));
+}
+
+// fp8 e4m3 byte -> bf16(scale * 2^119) duplicated in both halves
+__device__ __forceinline__ uint32_t scale_pair(uint32_t byte) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)byte, __NV_E4M3);
+  float f = __half2float(__half(h)) * 6.646139978924579e+35f;
+  __nv_bfloat16 b = __float2bfloat16_rn(f);
+  uint32_t bits = (uint32_t)(*reinterpret_cast<uint16_t *>(&b));
+  return bits | (bits << 16);
+}
+
+__device__ __forceinline__ void mma16816(float *c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+struct Chunk {
+  uint4 wa, wb;      // 16 B of row g and of row g + 8
+  uint16_t sa, sb;   // the two group scales of each
+  uint4 x[4];        // 32 bf16 of x row g (zeros past M)
+};
+
+__device__ __forceinline__ void load_chunk(Chunk &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
+                                           const uint8_t *sg8, const __nv_bfloat16 *xg, bool xok, int c, int t) {
+  const int kb = c * 64 + 16 * t;  // byte offset in the packed row: chunk of 128 weights, thread's 16 B
+  ch.wa = __ldg(reinterpret_cast<const uint4 *>(wg + kb));
+  ch.wb = __ldg(reinterpret_cast<const uint4 *>(wg8 + kb));
+  const int gi = c * 8 + 2 * t;    // group index of the thread's first 16 weights
+  ch.sa = __ldg(reinterpret_cast<const unsigned short *>(sg + gi));
+  ch.sb = __ldg(reinterpret_cast<const unsigned short *>(sg8 + gi));
+  if (xok) {
+    const uint4 *xp = reinterpret_cast<const uint4 *>(xg + c * 128 + 32 * t);
+#pragma unroll
+    for (int i = 0; i < 4; i++) ch.x[i] = __ldg(xp + i);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; i++) ch.x[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+__device__ __forceinline__ void compute_chunk(const Chunk &ch, float *acc) {
+  uint32_t A[4][4], B[4][4];  // [word][pair] for rows g and g + 8
+  const uint32_t wa[4] = {ch.wa.x, ch.wa.y, ch.wa.z, ch.wa.w};
+  const uint32_t wb[4] = {ch.wb.x, ch.wb.y, ch.wb.z, ch.wb.w};
+  const uint32_t sa0 = scale_pair(ch.sa & 0xFF), sa1 = scale_pair(ch.sa >> 8);
+  const uint32_t sb0 = scale_pair(ch.sb & 0xFF), sb1 = scale_pair(ch.sb >> 8);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    decode8(wa[i], i < 2 ? sa0 : sa1, A[i][0], A[i][1], A[i][2], A[i][3]);
+    decode8(wb[i], i < 2 ? sb0 : sb1, B[i][0], B[i][1], B[i][2], B[i][3]);
+  }
+  const uint32_t *xr = reinterpret_cast<const uint32_t *>(ch.x);  // 16 words = 32 bf16, physical k order
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    const int i = j / 2, p = (j % 2) * 2;
+    mma16816(acc, A[i][p], B[i][p], A[i][p + 1], B[i][p + 1], xr[2 * j], xr[2 * j + 1]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8(const uint8_t *__restrict__ wp,
+                                                               const uint8_t *__restrict__ ws,
+                                                               const __nv_bfloat16 *__restrict__ x,
+                                                               float *__restrict__ out, int M, int N, int K,
+                                                               int chunks_per_split) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int rb = blockIdx.x * (blockDim.x >> 5) + warp;
+  const int r0 = rb * 16;
+  if (r0 >= N) return;
+  const int kh = K / 2, kg = K / 16;
+  const uint8_t *wg = wp + (size_t)(r0 + g) * kh, *wg8 = wp + (size_t)(r0 + g + 8) * kh;
+  const uint8_t *sg = ws + (size_t)(r0 + g) * kg, *sg8 = ws + (size_t)(r0 + g + 8) * kg;
+  const bool xok = g < M;
+  const __nv_bfloat16 *xg = x + (size_t)(xok ? g : 0) * K;
+  const int c0 = blockIdx.y * chunks_per_split;
+  const int c1 = min(c0 + chunks_per_split, K / 128);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  Chunk ca, cb;  // two register buffers: the next chunk's loads are in flight while one is computed
+  if (c0 < c1) load_chunk(ca, wg, wg8, sg, sg8, xg, xok, c0, t);
+  for (int c = c0; c < c1; c += 2) {
+    if (c + 1 < c1) load_chunk(cb, wg, wg8, sg, sg8, xg, xok, c + 1, t);
+    compute_chunk(ca, acc);
+    if (c + 1 < c1) {
+      if (c + 2 < c1) load_chunk(ca, wg, wg8, sg, sg8, xg, xok, c + 2, t);
+      compute_chunk(cb, acc);
+    }
+  }
+  // C fragment: c0, c1 = (row g, n 2t, 2t + 1); c2, c3 = (row g + 8, same n)
+  const int n0 = 2 * t, n1 = 2 * t + 1;
+  if (n0 < M) {
+    atomicAdd(out + (size_t)n0 * N + r0 + g, acc[0]);
+    atomicAdd(out + (size_t)n0 * N + r0 + g + 8, acc[2]);
+  }
+  if (n1 < M) {
+    atomicAdd(out + (size_t)n1 * N + r0 + g, acc[1]);
+    atomicAdd(out + (size_t)n1 * N + r0 + g + 8, acc[3]);
+  }
+}
+"""
+
+CHUNK = 128  # weights per row and chunk
+
+
+def compile_cubin(arch: str, nvcc: str | None = None) -> bytes:
+    """nvcc -cubin for `arch` (e.g. sm_90); one clear error when nvcc is missing or the source does not build."""
+    nvcc = nvcc or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).exists() and shutil.which(nvcc) is None:
+        raise RuntimeError(f"nvcc not found (looked on PATH and at {nvcc}): the CUDA prototype needs the CUDA toolkit")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp, "fp4_gemv.cu"), Path(tmp, "fp4_gemv.cubin")
+        src.write_text(SOURCE)
+        proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-O3", "-o", str(out), str(src)],
+                              capture_output=True, text=True, check=False)
+        if proc.returncode:
+            raise RuntimeError(f"nvcc failed: {proc.stderr.strip().splitlines()[:3]}")
+        return out.read_bytes()
+
+
+class CudaGemv:
+    """The cubin loaded into torch's CUDA context; `__call__` launches on the current stream."""
+
+    def __init__(self, cubin: bytes):
+        torch.zeros(1, device="cuda")  # make torch's primary context current
+        self._cuda = ctypes.CDLL("libcuda.so.1")
+        self._cubin = cubin  # kept alive: the driver reads it during load
+        self._mod, self._fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self._check(self._cuda.cuModuleLoadData(ctypes.byref(self._mod), cubin), "cuModuleLoadData")
+        self._check(self._cuda.cuModuleGetFunction(ctypes.byref(self._fn), self._mod, b"fp4_gemv_m8"),
+                    "cuModuleGetFunction")
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code:
+            raise RuntimeError(f"{what} returned CUDA error {code}")
+
+    def __call__(self, weight_packed: torch.Tensor, weight_scale_u8: torch.Tensor, x: torch.Tensor,
+                 out: torch.Tensor, splits: int, warps: int = 4) -> None:
+        m, k = x.shape
+        n = weight_packed.shape[0]
+        if m > 8 or n % 16 or k % CHUNK or x.dtype != torch.bfloat16 or out.dtype != torch.float32:
+            raise ValueError(f"prototype limits: M <= 8, N % 16 == 0, K % {CHUNK} == 0, bf16 x, fp32 out; "
+                             f"got M={m} N={n} K={k} {x.dtype} {out.dtype}")
+        chunks = k // CHUNK
+        per_split = -(-chunks // splits)
+        grid = (-(-n // (16 * warps)), -(-chunks // per_split))
+        args = [ctypes.c_void_p(weight_packed.data_ptr()), ctypes.c_void_p(weight_scale_u8.data_ptr()),
+                ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(m), ctypes.c_int(n),
+                ctypes.c_int(k), ctypes.c_int(per_split)]
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        self._check(self._cuda.cuLaunchKernel(self._fn, grid[0], grid[1], 1, 32 * warps, 1, 1, 0,
+                                              ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), params,
+                                              None), "cuLaunchKernel")
+
+
+SHAPES = [("q/o", 3584, 3584), ("q|k|v", 4608, 3584), ("gate/up", 18944, 3584), ("gate|up", 37888, 3584),
+          ("down", 3584, 18944)]
+
+
+def run(rows_m: list[int], splits_list: list[int], warps_list: list[int]) -> dict:
+    from qerl.bench.kernels import _copies, _environment, _fp4_weights, fp4_reference, graph_time_us
+    from qerl.bench.kernels import measure_ceilings
+    from qerl.quant import triton_fp4 as tf
+
+    major, minor = torch.cuda.get_device_capability()
+    kern = CudaGemv(compile_cubin(f"sm_{major}{minor}"))
+    result = {**_environment(), "ceilings": measure_ceilings(), "rows": []}
+    gain = tf.DEQ_GAIN.value
+    for layer, n, k in SHAPES:
+        copies = _copies(n * k // 2 + n * k // 16)
+        fp4 = _fp4_weights(n, k, copies, 0)
+        ws8 = [f[1].view(torch.uint8) for f in fp4]
+        for m in rows_m:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = fp4_reference(x, *fp4[0])
+            row = {"layer": layer, "N": n, "K": k, "M": m,
+                   "triton_us": graph_time_us(lambda i: tf.fp4_matmul_triton(x, *fp4[i]), copies), "configs": []}
+            out = torch.zeros(m, n, device="cuda", dtype=torch.float32)
+            scale = gain / fp4[0][2]
+            for splits in splits_list:
+                for warps in warps_list:
+                    out.zero_()
+                    kern(fp4[0][0], ws8[0], x, out, splits, warps)
+                    err = ((out.double() * (gain / fp4[0][2].double()) - ref).norm() / ref.norm()).item()
+                    if not err < 1e-2:
+                        raise RuntimeError(f"{layer} M={m} splits={splits} warps={warps}: rel. error {err:.2e}")
+                    us = graph_time_us(lambda i: kern(fp4[i][0], ws8[i], x, out, splits, warps), copies)
+
+                    def full(i):
+                        out.zero_()
+                        kern(fp4[i][0], ws8[i], x, out, splits, warps)
+                        return (out * scale).to(torch.bfloat16)
+
+                    row["configs"].append({"splits": splits, "warps": warps, "us": us, "err": err,
+                                           "full_us": graph_time_us(full, copies)})
+            best = min(row["configs"], key=lambda c: c["us"])
+            row.update(best_us=best["us"], best_full_us=best["full_us"], best_splits=best["splits"],
+                       best_warps=best["warps"], floor_us=n * k * 0.5625 / result["ceilings"]["copy_GBps"] / 1e3)
+            result["rows"].append(row)
+            print(f"{layer} M={m}: triton {row['triton_us']:.1f} us, CUDA {best['us']:.1f} us "
+                  f"(splits {best['splits']}, warps {best['warps']}), floor {row['floor_us']:.1f}", flush=True)
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = ["| layer | N x K | M | floor us | Triton us | CUDA kernel us | CUDA + zero/finish us | kernel vs Triton |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['layer']} | {r['N']} x {r['K']} | {r['M']} | {r['floor_us']:.1f} | "
+                     f"{r['triton_us']:.1f} | {r['best_us']:.1f} | {r['best_full_us']:.1f} | "
+                     f"{r['triton_us'] / r['best_us']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("results/bench/cuda_gemv.json"))
+    p.add_argument("--rows", default="1,8")
+    p.add_argument("--splits", default="1,2,4,7,14")
+    p.add_argument("--warps", default="4")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("qerl.bench.cuda_gemv needs a CUDA GPU")
+    from qerl.bench.kernels import write_json
+
+    result = run([int(v) for v in a.rows.split(",")], [int(v) for v in a.splits.split(",")],
+                 [int(v) for v in a.warps.split(",")])
+    result["markdown"] = markdown(result)
+    print(result["markdown"])
+    write_json(a.out, result)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""qerl.bench.cuda_gemv: the CUDA prototype builds, reports, and matches the float64 reference on a GPU."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl.bench import cuda_gemv
+
+HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+
+
+def test_missing_nvcc_is_one_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        cuda_gemv.compile_cubin("sm_90", nvcc=str(tmp_path / "no-nvcc"))
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit's nvcc")
+def test_source_builds_for_hopper():
+    cubin = cuda_gemv.compile_cubin("sm_90")
+    assert cubin[:4] == b"\x7fELF" and b"fp4_gemv_m8" in cubin
+
+
+def test_markdown_ratio():
+    row = {"layer": "down", "N": 3584, "K": 18944, "M": 8, "floor_us": 12.8, "triton_us": 24.6, "best_us": 20.5,
+           "best_full_us": 25.3}
+    line = cuda_gemv.markdown({"rows": [row]}).splitlines()[2]
+    assert line == "| down | 3584 x 18944 | 8 | 12.8 | 24.6 | 20.5 | 25.3 | 1.20x |"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit's nvcc")
+@pytest.mark.parametrize("m,splits", [(1, 1), (5, 3), (8, 4)])
+def test_matches_float64_reference(m, splits):
+    from qerl.bench.kernels import fp4_reference
+    from qerl.quant.format import quantize_nvfp4
+
+    major, minor = torch.cuda.get_device_capability()
+    kern = cuda_gemv.CudaGemv(cuda_gemv.compile_cubin(f"sm_{major}{minor}"))
+    torch.manual_seed(m)
+    wp, ws, gs = quantize_nvfp4(torch.randn(96, 1024, device="cuda"))
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros(m, 96, device="cuda", dtype=torch.float32)
+    kern(wp, ws.view(torch.uint8), x, out, splits)
+    got = out.double() * (128.0 / gs.double())
+    ref = fp4_reference(x, wp, ws, gs)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5  # fp32 sums of exact bf16 products
+
+
+def test_prototype_limits_are_checked():
+    kern = object.__new__(cuda_gemv.CudaGemv)
+    with pytest.raises(ValueError, match="prototype limits"):
+        kern(torch.zeros(16, 64, dtype=torch.uint8), torch.zeros(16, 8, dtype=torch.uint8),
+             torch.zeros(9, 128, dtype=torch.bfloat16), torch.zeros(9, 16), 1)
