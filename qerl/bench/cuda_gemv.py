@@ -268,7 +268,8 @@ def markdown(result: dict) -> str:
     lines = ["| layer | N x K | M | floor us | Triton us | CUDA kernel us | CUDA + zero/finish us | kernel vs Triton |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['layer']} | {r['N']} x {r['K']} | {r['M']} | {r['floor_us']:.1f} | "
+        layer = r["layer"].replace("|", "\\|")  # stacked q|k|v, gate|up inside a Markdown table
+        lines.append(f"| {layer} | {r['N']} x {r['K']} | {r['M']} | {r['floor_us']:.1f} | "
                      f"{r['triton_us']:.1f} | {r['best_us']:.1f} | {r['best_full_us']:.1f} | "
                      f"{r['triton_us'] / r['best_us']:.2f}x |")
     return "\n".join(lines)

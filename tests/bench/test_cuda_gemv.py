@@ -26,8 +26,9 @@ def test_source_builds_for_hopper():
 def test_markdown_ratio():
     row = {"layer": "down", "N": 3584, "K": 18944, "M": 8, "floor_us": 12.8, "triton_us": 24.6, "best_us": 20.5,
            "best_full_us": 25.3}
-    line = cuda_gemv.markdown({"rows": [row]}).splitlines()[2]
-    assert line == "| down | 3584 x 18944 | 8 | 12.8 | 24.6 | 20.5 | 25.3 | 1.20x |"
+    lines = cuda_gemv.markdown({"rows": [row, {**row, "layer": "gate|up"}]}).splitlines()
+    assert lines[2] == "| down | 3584 x 18944 | 8 | 12.8 | 24.6 | 20.5 | 25.3 | 1.20x |"
+    assert lines[3].startswith("| gate\\|up | 3584 x 18944 |") and lines[3].count(" | ") == 7
 
 
 @pytest.mark.gpu
