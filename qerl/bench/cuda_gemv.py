@@ -3,14 +3,17 @@
     python -m qerl.bench.cuda_gemv --out results/bench/cuda_gemv.json     # needs a CUDA GPU and nvcc
 
 Why (BENCHMARKS.md, session 6): `qerl.bench.anatomy` shows the Triton few-row kernel is bound by its on-chip work
-per weight (5.5 SASS instructions per weight and thread), not by the weight bytes. This kernel is the design
+per weight (5.5 SASS instructions per weight and thread), not by the weight bytes. These kernels are the design
 sketched there, written by hand: `mma.sync` m16n8k16 with W as the A operand, decoded in registers straight from
 16-byte global loads (qerl.quant.ptx's bit trick, no shared memory), the K order permuted so one thread's 32
 contiguous weights of a row feed 8 MMAs, and x read from global memory (L1) in the same permuted order as the B
-operand; the next chunk of 128 weights per row is loaded while the current one is computed; K splits add fp32
-partials with atomics into a zeroed (M, N) buffer. 3.5 SASS instructions per weight and thread in its loop
-(sm_90), against 5.5 for the Triton kernel's. Tried and slower (session 6): x staged in shared memory per block
-with two chunks of W in flight (down 20.4 -> 22.1 us at M = 1).
+operand; K splits add fp32 partials with atomics into a zeroed (M, N) buffer. 3.5 SASS instructions per weight
+and thread. Variants (`KERNELS`):
+  base   the compressed-tensors layout; the next chunk of 128 weights per row is loaded while one is computed;
+  deep   W streamed past L1 with two chunks in flight (no faster than base on an H100);
+  tiled  W re-laid out by `tile_packed` as [N/16][K/128][16 rows][64 B], so each warp's chunk is one contiguous
+         1 KiB block: the fastest (H100, 7B gate/up at M = 1: 19.0 -> 17.1 us, 74% of the copy bandwidth).
+The same tiled layout does not speed up the Triton kernel (tried in session 6: 24.8 -> 24.5 us).
 
 Not wired into qerl: it lacks bias, the LoRA epilogue, stacked segments, M > 8, ragged N / K and an in-kernel
 finish (the `full` column adds the zeroing and the scale + bf16 conversion as torch ops). It is compiled with nvcc
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import shutil
 import subprocess
 import tempfile
@@ -83,9 +87,11 @@ struct Chunk {
   uint4 x[4];        // 32 bf16 of x row g (zeros past M)
 };
 
+// TILED: W re-laid out as [N / 16][K / 128][16 rows][64 B], so a warp's chunk is one contiguous 1 KiB block
+template <bool TILED>
 __device__ __forceinline__ void load_chunk(Chunk &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
                                            const uint8_t *sg8, const __nv_bfloat16 *xg, bool xok, int c, int t) {
-  const int kb = c * 64 + 16 * t;  // byte offset in the packed row: chunk of 128 weights, thread's 16 B
+  const int kb = TILED ? c * 1024 + 16 * t : c * 64 + 16 * t;  // thread's 16 B of chunk c (128 weights per row)
   ch.wa = __ldg(reinterpret_cast<const uint4 *>(wg + kb));
   ch.wb = __ldg(reinterpret_cast<const uint4 *>(wg8 + kb));
   const int gi = c * 8 + 2 * t;    // group index of the thread's first 16 weights
@@ -120,18 +126,18 @@ __device__ __forceinline__ void compute_chunk(const Chunk &ch, float *acc) {
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8(const uint8_t *__restrict__ wp,
-                                                               const uint8_t *__restrict__ ws,
-                                                               const __nv_bfloat16 *__restrict__ x,
-                                                               float *__restrict__ out, int M, int N, int K,
-                                                               int chunks_per_split) {
+template <bool TILED>
+__device__ __forceinline__ void gemv_m8(const uint8_t *__restrict__ wp, const uint8_t *__restrict__ ws,
+                                        const __nv_bfloat16 *__restrict__ x, float *__restrict__ out, int M, int N,
+                                        int K, int chunks_per_split) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int rb = blockIdx.x * (blockDim.x >> 5) + warp;
   const int r0 = rb * 16;
   if (r0 >= N) return;
   const int kh = K / 2, kg = K / 16;
-  const uint8_t *wg = wp + (size_t)(r0 + g) * kh, *wg8 = wp + (size_t)(r0 + g + 8) * kh;
+  const uint8_t *wg = TILED ? wp + (size_t)rb * 16 * kh + g * 64 : wp + (size_t)(r0 + g) * kh;
+  const uint8_t *wg8 = TILED ? wg + 8 * 64 : wp + (size_t)(r0 + g + 8) * kh;
   const uint8_t *sg = ws + (size_t)(r0 + g) * kg, *sg8 = ws + (size_t)(r0 + g + 8) * kg;
   const bool xok = g < M;
   const __nv_bfloat16 *xg = x + (size_t)(xok ? g : 0) * K;
@@ -139,12 +145,12 @@ extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8(const uint8_t *__r
   const int c1 = min(c0 + chunks_per_split, K / 128);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   Chunk ca, cb;  // two register buffers: the next chunk's loads are in flight while one is computed
-  if (c0 < c1) load_chunk(ca, wg, wg8, sg, sg8, xg, xok, c0, t);
+  if (c0 < c1) load_chunk<TILED>(ca, wg, wg8, sg, sg8, xg, xok, c0, t);
   for (int c = c0; c < c1; c += 2) {
-    if (c + 1 < c1) load_chunk(cb, wg, wg8, sg, sg8, xg, xok, c + 1, t);
+    if (c + 1 < c1) load_chunk<TILED>(cb, wg, wg8, sg, sg8, xg, xok, c + 1, t);
     compute_chunk(ca, acc);
     if (c + 1 < c1) {
-      if (c + 2 < c1) load_chunk(ca, wg, wg8, sg, sg8, xg, xok, c + 2, t);
+      if (c + 2 < c1) load_chunk<TILED>(ca, wg, wg8, sg, sg8, xg, xok, c + 2, t);
       compute_chunk(cb, acc);
     }
   }
@@ -159,9 +165,116 @@ extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8(const uint8_t *__r
     atomicAdd(out + (size_t)n1 * N + r0 + g + 8, acc[3]);
   }
 }
+
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8(const uint8_t *__restrict__ wp,
+                                                               const uint8_t *__restrict__ ws,
+                                                               const __nv_bfloat16 *__restrict__ x,
+                                                               float *__restrict__ out, int M, int N, int K,
+                                                               int chunks_per_split) {
+  gemv_m8<false>(wp, ws, x, out, M, N, K, chunks_per_split);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8_tiled(const uint8_t *__restrict__ wp,
+                                                                     const uint8_t *__restrict__ ws,
+                                                                     const __nv_bfloat16 *__restrict__ x,
+                                                                     float *__restrict__ out, int M, int N, int K,
+                                                                     int chunks_per_split) {
+  gemv_m8<true>(wp, ws, x, out, M, N, K, chunks_per_split);
+}
+
+// Variant "deep": W streamed past L1 (ld.global.nc.L1::no_allocate) with two chunks in flight while a third is
+// computed; x read from L1 just before its chunk's MMAs.
+struct WChunk {
+  uint4 wa, wb;
+  uint16_t sa, sb;
+};
+
+__device__ __forceinline__ uint4 ld_stream(const void *p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void load_w(WChunk &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
+                                       const uint8_t *sg8, int c, int t) {
+  const int kb = c * 64 + 16 * t;
+  ch.wa = ld_stream(wg + kb);
+  ch.wb = ld_stream(wg8 + kb);
+  const int gi = c * 8 + 2 * t;
+  ch.sa = __ldg(reinterpret_cast<const unsigned short *>(sg + gi));
+  ch.sb = __ldg(reinterpret_cast<const unsigned short *>(sg8 + gi));
+}
+
+__device__ __forceinline__ void compute_w(const WChunk &w, const __nv_bfloat16 *xg, bool xok, int c, int t,
+                                          float *acc) {
+  Chunk ch;
+  ch.wa = w.wa;
+  ch.wb = w.wb;
+  ch.sa = w.sa;
+  ch.sb = w.sb;
+  if (xok) {
+    const uint4 *xp = reinterpret_cast<const uint4 *>(xg + c * 128 + 32 * t);
+#pragma unroll
+    for (int i = 0; i < 4; i++) ch.x[i] = __ldg(xp + i);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; i++) ch.x[i] = make_uint4(0, 0, 0, 0);
+  }
+  compute_chunk(ch, acc);
+}
+
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8_deep(const uint8_t *__restrict__ wp,
+                                                                    const uint8_t *__restrict__ ws,
+                                                                    const __nv_bfloat16 *__restrict__ x,
+                                                                    float *__restrict__ out, int M, int N, int K,
+                                                                    int chunks_per_split) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int rb = blockIdx.x * (blockDim.x >> 5) + warp;
+  const int r0 = rb * 16;
+  if (r0 >= N) return;
+  const int kh = K / 2, kg = K / 16;
+  const uint8_t *wg = wp + (size_t)(r0 + g) * kh, *wg8 = wp + (size_t)(r0 + g + 8) * kh;
+  const uint8_t *sg = ws + (size_t)(r0 + g) * kg, *sg8 = ws + (size_t)(r0 + g + 8) * kg;
+  const bool xok = g < M;
+  const __nv_bfloat16 *xg = x + (size_t)(xok ? g : 0) * K;
+  const int c0 = blockIdx.y * chunks_per_split;
+  const int c1 = min(c0 + chunks_per_split, K / 128);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  WChunk w0, w1, w2;
+  if (c0 < c1) load_w(w0, wg, wg8, sg, sg8, c0, t);
+  if (c0 + 1 < c1) load_w(w1, wg, wg8, sg, sg8, c0 + 1, t);
+  for (int c = c0; c < c1; c += 3) {
+    if (c + 2 < c1) load_w(w2, wg, wg8, sg, sg8, c + 2, t);
+    compute_w(w0, xg, xok, c, t, acc);
+    if (c + 1 >= c1) break;
+    if (c + 3 < c1) load_w(w0, wg, wg8, sg, sg8, c + 3, t);
+    compute_w(w1, xg, xok, c + 1, t, acc);
+    if (c + 2 >= c1) break;
+    if (c + 4 < c1) load_w(w1, wg, wg8, sg, sg8, c + 4, t);
+    compute_w(w2, xg, xok, c + 2, t, acc);
+  }
+  const int n0 = 2 * t, n1 = 2 * t + 1;
+  if (n0 < M) {
+    atomicAdd(out + (size_t)n0 * N + r0 + g, acc[0]);
+    atomicAdd(out + (size_t)n0 * N + r0 + g + 8, acc[2]);
+  }
+  if (n1 < M) {
+    atomicAdd(out + (size_t)n1 * N + r0 + g, acc[1]);
+    atomicAdd(out + (size_t)n1 * N + r0 + g + 8, acc[3]);
+  }
+}
 """
 
 CHUNK = 128  # weights per row and chunk
+
+
+def tile_packed(weight_packed: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) packed bytes -> the "tiled" kernel's layout [N/16][K/128][16 rows][64 B] (same bytes)."""
+    n, kh = weight_packed.shape
+    return weight_packed.view(n // 16, 16, kh // 64, 64).permute(0, 2, 1, 3).contiguous().view(n, kh)
+KERNELS = {"base": b"fp4_gemv_m8", "deep": b"fp4_gemv_m8_deep", "tiled": b"fp4_gemv_m8_tiled"}
 
 
 def compile_cubin(arch: str, nvcc: str | None = None) -> bytes:
@@ -186,10 +299,13 @@ class CudaGemv:
         torch.zeros(1, device="cuda")  # make torch's primary context current
         self._cuda = ctypes.CDLL("libcuda.so.1")
         self._cubin = cubin  # kept alive: the driver reads it during load
-        self._mod, self._fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self._mod = ctypes.c_void_p()
         self._check(self._cuda.cuModuleLoadData(ctypes.byref(self._mod), cubin), "cuModuleLoadData")
-        self._check(self._cuda.cuModuleGetFunction(ctypes.byref(self._fn), self._mod, b"fp4_gemv_m8"),
-                    "cuModuleGetFunction")
+        self._fns = {}
+        for variant, name in KERNELS.items():
+            fn = ctypes.c_void_p()
+            self._check(self._cuda.cuModuleGetFunction(ctypes.byref(fn), self._mod, name), "cuModuleGetFunction")
+            self._fns[variant] = fn
 
     @staticmethod
     def _check(code: int, what: str) -> None:
@@ -197,7 +313,7 @@ class CudaGemv:
             raise RuntimeError(f"{what} returned CUDA error {code}")
 
     def __call__(self, weight_packed: torch.Tensor, weight_scale_u8: torch.Tensor, x: torch.Tensor,
-                 out: torch.Tensor, splits: int, warps: int = 4) -> None:
+                 out: torch.Tensor, splits: int, warps: int = 4, variant: str = "base") -> None:
         m, k = x.shape
         n = weight_packed.shape[0]
         if m > 8 or n % 16 or k % CHUNK or x.dtype != torch.bfloat16 or out.dtype != torch.float32:
@@ -210,7 +326,7 @@ class CudaGemv:
                 ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(m), ctypes.c_int(n),
                 ctypes.c_int(k), ctypes.c_int(per_split)]
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-        self._check(self._cuda.cuLaunchKernel(self._fn, grid[0], grid[1], 1, 32 * warps, 1, 1, 0,
+        self._check(self._cuda.cuLaunchKernel(self._fns[variant], grid[0], grid[1], 1, 32 * warps, 1, 1, 0,
                                               ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), params,
                                               None), "cuLaunchKernel")
 
@@ -219,7 +335,7 @@ SHAPES = [("q/o", 3584, 3584), ("q|k|v", 4608, 3584), ("gate/up", 18944, 3584), 
           ("down", 3584, 18944)]
 
 
-def run(rows_m: list[int], splits_list: list[int], warps_list: list[int]) -> dict:
+def run(rows_m: list[int], splits_list: list[int], warps_list: list[int], variants=tuple(KERNELS)) -> dict:
     from qerl.bench.kernels import _copies, _environment, _fp4_weights, fp4_reference, graph_time_us
     from qerl.bench.kernels import measure_ceilings
     from qerl.quant import triton_fp4 as tf
@@ -232,6 +348,7 @@ def run(rows_m: list[int], splits_list: list[int], warps_list: list[int]) -> dic
         copies = _copies(n * k // 2 + n * k // 16)
         fp4 = _fp4_weights(n, k, copies, 0)
         ws8 = [f[1].view(torch.uint8) for f in fp4]
+        tiled = [tile_packed(f[0]) for f in fp4] if "tiled" in variants else None
         for m in rows_m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = fp4_reference(x, *fp4[0])
@@ -239,28 +356,34 @@ def run(rows_m: list[int], splits_list: list[int], warps_list: list[int]) -> dic
                    "triton_us": graph_time_us(lambda i: tf.fp4_matmul_triton(x, *fp4[i]), copies), "configs": []}
             out = torch.zeros(m, n, device="cuda", dtype=torch.float32)
             scale = gain / fp4[0][2]
-            for splits in splits_list:
-                for warps in warps_list:
+            for v, splits, warps in itertools.product(variants, splits_list, warps_list):
+                wps = tiled if v == "tiled" else [f[0] for f in fp4]
+                out.zero_()
+                kern(wps[0], ws8[0], x, out, splits, warps, v)
+                err = ((out.double() * (gain / fp4[0][2].double()) - ref).norm() / ref.norm()).item()
+                if not err < 1e-2:
+                    raise RuntimeError(f"{layer} M={m} {v} splits={splits} warps={warps}: rel. error {err:.2e}")
+                us = graph_time_us(lambda i: kern(wps[i], ws8[i], x, out, splits, warps, v), copies)
+
+                def full(i):
                     out.zero_()
-                    kern(fp4[0][0], ws8[0], x, out, splits, warps)
-                    err = ((out.double() * (gain / fp4[0][2].double()) - ref).norm() / ref.norm()).item()
-                    if not err < 1e-2:
-                        raise RuntimeError(f"{layer} M={m} splits={splits} warps={warps}: rel. error {err:.2e}")
-                    us = graph_time_us(lambda i: kern(fp4[i][0], ws8[i], x, out, splits, warps), copies)
+                    kern(wps[i], ws8[i], x, out, splits, warps, v)
+                    return (out * scale).to(torch.bfloat16)
 
-                    def full(i):
-                        out.zero_()
-                        kern(fp4[i][0], ws8[i], x, out, splits, warps)
-                        return (out * scale).to(torch.bfloat16)
-
-                    row["configs"].append({"splits": splits, "warps": warps, "us": us, "err": err,
-                                           "full_us": graph_time_us(full, copies)})
+                row["configs"].append({"variant": v, "splits": splits, "warps": warps, "us": us, "err": err,
+                                       "full_us": graph_time_us(full, copies)})
+            for v in variants:
+                bv = min((c for c in row["configs"] if c["variant"] == v), key=lambda c: c["us"])
+                row[f"best_{v}_us"] = bv["us"]
             best = min(row["configs"], key=lambda c: c["us"])
             row.update(best_us=best["us"], best_full_us=best["full_us"], best_splits=best["splits"],
-                       best_warps=best["warps"], floor_us=n * k * 0.5625 / result["ceilings"]["copy_GBps"] / 1e3)
+                       best_warps=best["warps"], best_variant=best["variant"],
+                       floor_us=n * k * 0.5625 / result["ceilings"]["copy_GBps"] / 1e3)
             result["rows"].append(row)
-            print(f"{layer} M={m}: triton {row['triton_us']:.1f} us, CUDA {best['us']:.1f} us "
-                  f"(splits {best['splits']}, warps {best['warps']}), floor {row['floor_us']:.1f}", flush=True)
+            print(f"{layer} M={m}: triton {row['triton_us']:.1f} us, CUDA {best['us']:.1f} us ({best['variant']}, "
+                  f"splits {best['splits']}, warps {best['warps']}; "
+                  + ", ".join(f"{v} {row[f'best_{v}_us']:.1f}" for v in variants)
+                  + f"), floor {row['floor_us']:.1f}", flush=True)
     return result
 
 
@@ -281,13 +404,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default="1,8")
     p.add_argument("--splits", default="1,2,4,7,14")
     p.add_argument("--warps", default="4")
+    p.add_argument("--variants", default="base,deep,tiled", help="kernels: " + ", ".join(KERNELS))
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl.bench.cuda_gemv needs a CUDA GPU")
     from qerl.bench.kernels import write_json
 
     result = run([int(v) for v in a.rows.split(",")], [int(v) for v in a.splits.split(",")],
-                 [int(v) for v in a.warps.split(",")])
+                 [int(v) for v in a.warps.split(",")], [v for v in a.variants.split(",") if v])
     result["markdown"] = markdown(result)
     print(result["markdown"])
     write_json(a.out, result)

@@ -33,8 +33,9 @@ def test_markdown_ratio():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit's nvcc")
+@pytest.mark.parametrize("variant", sorted(cuda_gemv.KERNELS))
 @pytest.mark.parametrize("m,splits", [(1, 1), (5, 3), (8, 4)])
-def test_matches_float64_reference(m, splits):
+def test_matches_float64_reference(m, splits, variant):
     from qerl.bench.kernels import fp4_reference
     from qerl.quant.format import quantize_nvfp4
 
@@ -44,10 +45,19 @@ def test_matches_float64_reference(m, splits):
     wp, ws, gs = quantize_nvfp4(torch.randn(96, 1024, device="cuda"))
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(m, 96, device="cuda", dtype=torch.float32)
-    kern(wp, ws.view(torch.uint8), x, out, splits)
+    wk = cuda_gemv.tile_packed(wp) if variant == "tiled" else wp
+    kern(wk, ws.view(torch.uint8), x, out, splits, 4, variant)
     got = out.double() * (128.0 / gs.double())
     ref = fp4_reference(x, wp, ws, gs)
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5  # fp32 sums of exact bf16 products
+
+
+def test_tiled_layout_is_a_permutation_of_the_rows_chunks():
+    w = torch.randint(0, 256, (32, 256), dtype=torch.uint8)
+    t = cuda_gemv.tile_packed(w).view(-1)
+    # block 1 (rows 16..31), chunk 2 (bytes 128..191 of each row), row 5 of the block: one contiguous 64-byte run
+    start = ((1 * 4 + 2) * 16 + 5) * 64
+    assert torch.equal(t[start:start + 64], w[16 + 5, 128:192])
 
 
 def test_prototype_limits_are_checked():
