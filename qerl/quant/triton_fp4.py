@@ -5,9 +5,9 @@
 
 The weight never exists dequantized in device memory: each program loads a tile of packed bytes and FP8 group
 scales, turns them into bf16 in registers (e2m1 * scale / 128, exact in bf16), feeds the tensor cores and multiplies
-the fp32 accumulator by 128 / global_scale once at the end. Decode shapes (few rows) read 0.5625 bytes per weight instead
-of bf16's 2, so they are bandwidth bound and split the reduction across programs (split-K) to fill the GPU; the
-partial tiles are summed by the last program to finish (a per-tile counter), so one launch does everything.
+the fp32 accumulator by 128 / global_scale once at the end. Decode shapes (few rows) read 0.5625 bytes per weight
+instead of bf16's 2, so they are bandwidth bound and split the reduction across programs (split-K) to fill the GPU;
+the partial tiles are summed by the last program to finish (a per-tile counter), so one launch does everything.
 
 Layout (compressed-tensors NVFP4): weight_packed uint8 (N, K/2), column 2j in the low nibble of byte j; code =
 sign bit (8) | index into {0, .5, 1, 1.5, 2, 3, 4, 6}; weight_scale float8_e4m3fn (N, K/16); weight_global_scale
