@@ -1,6 +1,6 @@
 """Prototype: a hand-written CUDA W4A16 NVFP4 GEMV for M <= 8 against qerl's Triton kernel (benchmark only).
 
-    python -m qerl.bench.cuda_gemv --out results/bench/cuda_gemv.json     # needs a CUDA GPU and nvcc
+    python -m qerl.bench.cuda_gemv --out results/bench/cuda_gemv.json     # a CUDA GPU; nvcc or NVRTC
 
 Why (BENCHMARKS.md, session 6): `qerl.bench.anatomy` shows the Triton few-row kernel is bound by its on-chip work
 per weight (5.5 SASS instructions per weight and thread), not by the weight bytes. These kernels are the design
@@ -16,8 +16,8 @@ and thread. Variants (`KERNELS`):
 The same tiled layout does not speed up the Triton kernel (tried in session 6: 24.8 -> 24.5 us).
 
 Not wired into qerl: it lacks bias, the LoRA epilogue, stacked segments, M > 8, ragged N / K and an in-kernel
-finish (the `full` column adds the zeroing and the scale + bf16 conversion as torch ops). It is compiled with nvcc
-into a cubin and launched through the CUDA driver API (ctypes) on torch's current stream, so CUDA graphs capture it.
+finish (the `full` column adds the zeroing and the scale + bf16 conversion as torch ops). It is compiled into a
+cubin by nvcc or, without it, NVRTC (libnvrtc and the CUDA headers come with CUDA builds of torch) and launched through the CUDA driver API (ctypes) on torch's current stream, so CUDA graphs capture it.
 Every timed configuration is first checked against the float64 reference.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
+import os
 import shutil
 import subprocess
 import tempfile
@@ -34,7 +35,13 @@ import torch
 
 SOURCE = r"""#include <cuda_bf16.h>
 #include <cuda_fp8.h>
+#ifdef __CUDACC_RTC__
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+#else
 #include <stdint.h>
+#endif
 
 __device__ __forceinline__ void decode8(uint32_t w, uint32_t s2, uint32_t &o0, uint32_t &o1, uint32_t &o2,
                                         uint32_t &o3) {
@@ -277,15 +284,63 @@ def tile_packed(weight_packed: torch.Tensor) -> torch.Tensor:
 KERNELS = {"base": b"fp4_gemv_m8", "deep": b"fp4_gemv_m8_deep", "tiled": b"fp4_gemv_m8_tiled"}
 
 
-def compile_cubin(arch: str, nvcc: str | None = None) -> bytes:
-    """nvcc -cubin for `arch` (e.g. sm_90); one clear error when nvcc is missing or the source does not build."""
+def _find_nvcc(nvcc: str | None) -> str | None:
     nvcc = nvcc or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    if not Path(nvcc).exists() and shutil.which(nvcc) is None:
-        raise RuntimeError(f"nvcc not found (looked on PATH and at {nvcc}): the CUDA prototype needs the CUDA toolkit")
+    return nvcc if Path(nvcc).exists() or shutil.which(nvcc) else None
+
+
+def _find_nvrtc() -> tuple[Path, Path] | None:
+    """libnvrtc and the include dir with cuda_bf16.h: the CUDA torch wheel's nvidia package, else CUDA_HOME."""
+    roots = [Path(torch.__file__).parent.parent / "nvidia"]
+    roots += [Path(p) for p in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if p]
+    for root in roots:
+        libs = sorted(root.glob("**/libnvrtc.so*")) if root.exists() else []
+        libs = [lib for lib in libs if "builtins" not in lib.name and ".alt." not in lib.name]
+        heads = sorted(root.glob("**/cuda_bf16.h")) if root.exists() else []
+        if libs and heads:
+            return libs[0], heads[0].parent
+    return None
+
+
+def _compile_nvrtc(arch: str) -> bytes:
+    found = _find_nvrtc()
+    if found is None:
+        raise RuntimeError("NVRTC not found (no libnvrtc.so + cuda_bf16.h in torch's nvidia package or CUDA_HOME)")
+    lib_path, include = found
+    lib = ctypes.CDLL(str(lib_path))
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"fp4_gemv.cu", 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    opts = [f"--gpu-architecture={arch}".encode(), f"-I{include}".encode(), b"--std=c++17"]
+    try:
+        if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)):
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC failed: {log.value.decode(errors='replace').strip().splitlines()[:3]}")
+        size = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def compile_cubin(arch: str, nvcc: str | None = None, compiler: str = "auto") -> bytes:
+    """A cubin for `arch` (e.g. sm_90) from nvcc or, without it, NVRTC (which CUDA builds of torch ship); one clear
+    error when neither is there or the source does not build."""
+    nvcc_path = _find_nvcc(nvcc) if compiler in ("auto", "nvcc") else None
+    if nvcc_path is None:
+        if compiler == "nvcc":
+            raise RuntimeError(f"nvcc not found (looked on PATH and at {nvcc or '/usr/local/cuda/bin/nvcc'}): "
+                               "the CUDA prototype needs the CUDA toolkit or NVRTC")
+        return _compile_nvrtc(arch)
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp, "fp4_gemv.cu"), Path(tmp, "fp4_gemv.cubin")
         src.write_text(SOURCE)
-        proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-O3", "-o", str(out), str(src)],
+        proc = subprocess.run([nvcc_path, "-cubin", f"-arch={arch}", "-O3", "-o", str(out), str(src)],
                               capture_output=True, text=True, check=False)
         if proc.returncode:
             raise RuntimeError(f"nvcc failed: {proc.stderr.strip().splitlines()[:3]}")
@@ -335,14 +390,15 @@ SHAPES = [("q/o", 3584, 3584), ("q|k|v", 4608, 3584), ("gate/up", 18944, 3584), 
           ("down", 3584, 18944)]
 
 
-def run(rows_m: list[int], splits_list: list[int], warps_list: list[int], variants=tuple(KERNELS)) -> dict:
+def run(rows_m: list[int], splits_list: list[int], warps_list: list[int], variants=tuple(KERNELS),
+        compiler: str = "auto") -> dict:
     from qerl.bench.kernels import _copies, _environment, _fp4_weights, fp4_reference, graph_time_us
     from qerl.bench.kernels import measure_ceilings
     from qerl.quant import triton_fp4 as tf
 
     major, minor = torch.cuda.get_device_capability()
-    kern = CudaGemv(compile_cubin(f"sm_{major}{minor}"))
-    result = {**_environment(), "ceilings": measure_ceilings(), "rows": []}
+    kern = CudaGemv(compile_cubin(f"sm_{major}{minor}", compiler=compiler))
+    result = {**_environment(), "ceilings": measure_ceilings(), "compiler": compiler, "rows": []}
     gain = tf.DEQ_GAIN.value
     for layer, n, k in SHAPES:
         copies = _copies(n * k // 2 + n * k // 16)
@@ -404,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default="1,8")
     p.add_argument("--splits", default="1,2,4,7,14")
     p.add_argument("--warps", default="4")
+    p.add_argument("--compiler", choices=["auto", "nvcc", "nvrtc"], default="auto")
     p.add_argument("--variants", default="base,deep,tiled", help="kernels: " + ", ".join(KERNELS))
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -411,7 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     from qerl.bench.kernels import write_json
 
     result = run([int(v) for v in a.rows.split(",")], [int(v) for v in a.splits.split(",")],
-                 [int(v) for v in a.warps.split(",")], [v for v in a.variants.split(",") if v])
+                 [int(v) for v in a.warps.split(",")], [v for v in a.variants.split(",") if v],
+                 a.compiler)
     result["markdown"] = markdown(result)
     print(result["markdown"])
     write_json(a.out, result)

@@ -1,6 +1,7 @@
 """qerl.bench.cuda_gemv: the CUDA prototype builds, reports, and matches the float64 reference on a GPU."""
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -12,9 +13,12 @@ from qerl.bench import cuda_gemv
 HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
 
 
-def test_missing_nvcc_is_one_clear_error(tmp_path):
+def test_missing_compilers_are_one_clear_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="nvcc not found"):
-        cuda_gemv.compile_cubin("sm_90", nvcc=str(tmp_path / "no-nvcc"))
+        cuda_gemv.compile_cubin("sm_90", nvcc=str(tmp_path / "no-nvcc"), compiler="nvcc")
+    monkeypatch.setattr(cuda_gemv, "_find_nvrtc", lambda: None)
+    with pytest.raises(RuntimeError, match="NVRTC not found"):
+        cuda_gemv.compile_cubin("sm_90", nvcc=str(tmp_path / "no-nvcc"))  # auto: no nvcc -> NVRTC
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit's nvcc")
@@ -31,16 +35,25 @@ def test_markdown_ratio():
     assert lines[3].startswith("| gate\\|up | 3584 x 18944 |") and lines[3].count(" | ") == 7
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel(compiler: str) -> cuda_gemv.CudaGemv:
+    major, minor = torch.cuda.get_device_capability()
+    return cuda_gemv.CudaGemv(cuda_gemv.compile_cubin(f"sm_{major}{minor}", compiler=compiler))
+
+
+COMPILERS = [c for c, ok in (("nvcc", HAS_NVCC), ("nvrtc", cuda_gemv._find_nvrtc() is not None)) if ok]
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit's nvcc")
+@pytest.mark.skipif(not COMPILERS, reason="needs nvcc or NVRTC")
+@pytest.mark.parametrize("compiler", COMPILERS or ["none"])
 @pytest.mark.parametrize("variant", sorted(cuda_gemv.KERNELS))
 @pytest.mark.parametrize("m,splits", [(1, 1), (5, 3), (8, 4)])
-def test_matches_float64_reference(m, splits, variant):
+def test_matches_float64_reference(m, splits, variant, compiler):
     from qerl.bench.kernels import fp4_reference
     from qerl.quant.format import quantize_nvfp4
 
-    major, minor = torch.cuda.get_device_capability()
-    kern = cuda_gemv.CudaGemv(cuda_gemv.compile_cubin(f"sm_{major}{minor}"))
+    kern = _kernel(compiler)
     torch.manual_seed(m)
     wp, ws, gs = quantize_nvfp4(torch.randn(96, 1024, device="cuda"))
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
