@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from qerl.errors import QerlError
-from qerl.quant import ptx
+from qerl.quant import cuda_fp4, ptx
 from qerl.quant.tiling import k_block as _k_block
 from qerl.quant.tiling import no_empty_splits as _no_empty_splits
 from qerl.quant.tiling import pick_split as _pick_split
@@ -461,6 +461,11 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
     n1, n2 = _segment_bounds(segments, n, weight_global_scale)
     xa, lb = _lora_operands(x2, lora_a, lora_b, n, k, len(segments or [n]))
     r = 0 if lb is None else lb.shape[1]
+    if path == "auto" and config is None and use_asm and cuda_fp4.enabled() and cuda_fp4.supports(
+            x2, weight_packed, n, k, n1, n2):  # opt-in hand-written few-row kernel (QERL_FP4_CUDA=1)
+        y = cuda_fp4.fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lb,
+                                     float(lora_scale), n1, n2)
+        return y.reshape(*lead, n)
     if _use_dense(path, m, config):
         from qerl.quant.triton_dequant import dense_fp4_matmul
 

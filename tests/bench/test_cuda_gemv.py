@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qerl.bench import cuda_gemv
+from qerl.quant import cuda_fp4
 
 HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
 
@@ -16,7 +17,7 @@ HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").
 def test_missing_compilers_are_one_clear_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="nvcc not found"):
         cuda_gemv.compile_cubin("sm_90", nvcc=str(tmp_path / "no-nvcc"), compiler="nvcc")
-    monkeypatch.setattr(cuda_gemv, "_find_nvrtc", lambda: None)
+    monkeypatch.setattr(cuda_fp4, "_find_nvrtc", lambda: None)
     with pytest.raises(RuntimeError, match="NVRTC not found"):
         cuda_gemv.compile_cubin("sm_90", nvcc=str(tmp_path / "no-nvcc"))  # auto: no nvcc -> NVRTC
 
@@ -41,7 +42,7 @@ def _kernel(compiler: str) -> cuda_gemv.CudaGemv:
     return cuda_gemv.CudaGemv(cuda_gemv.compile_cubin(f"sm_{major}{minor}", compiler=compiler))
 
 
-COMPILERS = [c for c, ok in (("nvcc", HAS_NVCC), ("nvrtc", cuda_gemv._find_nvrtc() is not None)) if ok]
+COMPILERS = [c for c, ok in (("nvcc", HAS_NVCC), ("nvrtc", cuda_fp4._find_nvrtc() is not None)) if ok]
 
 
 @pytest.mark.gpu

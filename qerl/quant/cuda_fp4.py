@@ -1,0 +1,416 @@
+"""Opt-in hand-written CUDA forward for few-row NVFP4 matmuls (M <= 8): `QERL_FP4_CUDA=1`.
+
+    y = fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b, lora_scale, n1, n2)
+
+Same contract as the Triton kernel's few-row path (qerl.quant.triton_fp4.fp4_matmul_triton, which dispatches here
+when enabled): x2 (M <= 8, K) bf16 @ deq(W).T (+ bias) (+ lora_scale * xa[:, seg] @ lora_b.T), up to three stacked
+weights along N with their own global scales. Design (BENCHMARKS.md, session 6; prototype in qerl.bench.cuda_gemv):
+`mma.sync` m16n8k16 with W as the A operand decoded in registers (qerl.quant.ptx's bit trick) straight from 16-byte
+global loads, the K order permuted so one thread's 32 contiguous weights of a row feed 8 MMAs, x read from L1 in
+the same order as the B operand. K splits add fp32 partials with atomics into a workspace; the last warp to finish
+a 16-row block applies the global scale, bias and LoRA, stores bf16 and zeroes the workspace and its counter for
+the next launch (CUDA-graph safe, one launch per call). Built once per device by NVRTC (libnvrtc and the CUDA
+headers ship with CUDA builds of torch) or nvcc, launched through the driver API on torch's current stream.
+Anything outside the envelope (fp16/fp32 x, K % 128, N or segment bounds % 16, more rows) stays on Triton.
+
+Status (session 6, H100): correct (tests/quant/test_cuda_fp4.py, 18 GPU cases vs float64 and the Triton kernel,
+CUDA-graph replay) but **slower than the Triton path** where it matters, so off by default: 7B per decoder layer
+at M = 8 124 vs ~102 us, M = 1 101 vs 102; with LoRA r 16 at M = 8 gate|up 65.2 vs 46.9 us, q|k|v 18.4 vs 16.1;
+rollout at batch 8 (first build, before the split rule and LoRA-load changes) 1,399 vs 1,644 tokens/s. The
+prototype's kernel alone was faster (qerl.bench.cuda_gemv), so the cost is in this finish: every warp fences after
+its fp32 atomics (a wait for them to reach L2 that the prototype never paid, growing with M), and the last warp's
+LoRA dot runs serially. Next: plain stores of split partials + a second small finishing kernel (no fences), the
+LoRA dot spread over the warp, and the tiled layout. The device code shared with the prototype (`DEVICE_COMMON`,
+`accumulate`) was factored out after the last GPU run: compiled for sm_90, not yet re-run on a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from qerl.quant import ptx
+
+CHUNK = 128  # weights per row per chunk
+MAX_ROWS = 8
+WARPS = 4
+
+DEVICE_COMMON = r"""#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#ifdef __CUDACC_RTC__
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+#else
+#include <stdint.h>
+#endif
+
+__device__ __forceinline__ void decode8(uint32_t w, uint32_t s2, uint32_t &o0, uint32_t &o1, uint32_t &o2,
+                                        uint32_t &o3) {
+  asm("{\n"
+      ".reg .b32 r, x0, x1, x2, x3, nz;\n"
+      "mov.b32 nz, 0x80008000;\n"
+      "shf.l.wrap.b32 r, %4, %4, 4;\n"
+      "prmt.b32 x0, r, %4, 0xC184;\n"
+      "prmt.b32 x1, r, %4, 0xD295;\n"
+      "prmt.b32 x2, r, %4, 0xE3A6;\n"
+      "prmt.b32 x3, r, %4, 0xF0B7;\n"
+      "shl.b32 x0, x0, 6;\n"
+      "shl.b32 x1, x1, 6;\n"
+      "shl.b32 x2, x2, 6;\n"
+      "shl.b32 x3, x3, 6;\n"
+      "and.b32 x0, x0, 0x81C081C0;\n"
+      "and.b32 x1, x1, 0x81C081C0;\n"
+      "and.b32 x2, x2, 0x81C081C0;\n"
+      "and.b32 x3, x3, 0x81C081C0;\n"
+      "fma.rn.bf16x2 %0, x0, %5, nz;\n"
+      "fma.rn.bf16x2 %1, x1, %5, nz;\n"
+      "fma.rn.bf16x2 %2, x2, %5, nz;\n"
+      "fma.rn.bf16x2 %3, x3, %5, nz;\n"
+      "}\n"
+      : "=r"(o0), "=r"(o1), "=r"(o2), "=r"(o3)
+      : "r"(w), "r"(s2));
+}
+
+__device__ __forceinline__ uint32_t scale_pair(uint32_t byte) {  // bf16(fp8 scale * 2^119) in both halves
+  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)byte, __NV_E4M3);
+  __nv_bfloat16 b = __float2bfloat16_rn(__half2float(__half(h)) * 6.646139978924579e+35f);
+  uint32_t bits = (uint32_t)(*reinterpret_cast<uint16_t *>(&b));
+  return bits | (bits << 16);
+}
+
+__device__ __forceinline__ void mma16816(float *c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+struct Chunk {
+  uint4 wa, wb;
+  uint16_t sa, sb;
+  uint4 x[4];
+};
+
+// chunk c (128 weights per row) of rows g and g + 8 for lane (g, t): 16 B of each row, its two group scales and
+// 32 bf16 of x row g (zeros past M). TILED: W re-laid out as [N / 16][K / 128][16 rows][64 B] (qerl.bench.cuda_gemv).
+template <bool TILED>
+__device__ __forceinline__ void load_chunk(Chunk &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
+                                           const uint8_t *sg8, const __nv_bfloat16 *xg, bool xok, int c, int t) {
+  const int kb = TILED ? c * 1024 + 16 * t : c * 64 + 16 * t;
+  ch.wa = __ldg(reinterpret_cast<const uint4 *>(wg + kb));
+  ch.wb = __ldg(reinterpret_cast<const uint4 *>(wg8 + kb));
+  const int gi = c * 8 + 2 * t;
+  ch.sa = __ldg(reinterpret_cast<const unsigned short *>(sg + gi));
+  ch.sb = __ldg(reinterpret_cast<const unsigned short *>(sg8 + gi));
+  if (xok) {
+    const uint4 *xp = reinterpret_cast<const uint4 *>(xg + c * 128 + 32 * t);
+#pragma unroll
+    for (int i = 0; i < 4; i++) ch.x[i] = __ldg(xp + i);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; i++) ch.x[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+__device__ __forceinline__ void compute_chunk(const Chunk &ch, float *acc) {
+  uint32_t A[4][4], B[4][4];
+  const uint32_t wa[4] = {ch.wa.x, ch.wa.y, ch.wa.z, ch.wa.w};
+  const uint32_t wb[4] = {ch.wb.x, ch.wb.y, ch.wb.z, ch.wb.w};
+  const uint32_t sa0 = scale_pair(ch.sa & 0xFF), sa1 = scale_pair(ch.sa >> 8);
+  const uint32_t sb0 = scale_pair(ch.sb & 0xFF), sb1 = scale_pair(ch.sb >> 8);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    decode8(wa[i], i < 2 ? sa0 : sa1, A[i][0], A[i][1], A[i][2], A[i][3]);
+    decode8(wb[i], i < 2 ? sb0 : sb1, B[i][0], B[i][1], B[i][2], B[i][3]);
+  }
+  const uint32_t *xr = reinterpret_cast<const uint32_t *>(ch.x);
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    const int i = j / 2, p = (j % 2) * 2;
+    mma16816(acc, A[i][p], B[i][p], A[i][p + 1], B[i][p + 1], xr[2 * j], xr[2 * j + 1]);
+  }
+}
+
+
+// the warp's 16 x 8 fp32 tile over chunks [c0, c1): rows r0 + g and r0 + g + 8 (rows past N read row N - 1, never
+// stored), x rows g < M (zeros past M). Fragment: acc[0], acc[1] = (row r0 + g, m 2t, 2t + 1); acc[2], acc[3] =
+// (row r0 + g + 8, same m). The next chunk's loads are in flight while one is computed.
+template <bool TILED>
+__device__ __forceinline__ void accumulate(float *acc, const uint8_t *wp, const uint8_t *ws,
+                                           const __nv_bfloat16 *x, int sxm, int M, int N, int K, int rb, int c0,
+                                           int c1) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r0 = rb * 16;
+  const int kh = K / 2, kg = K / 16;
+  const int rg = min(r0 + g, N - 1), rg8 = min(r0 + g + 8, N - 1);
+  const uint8_t *wg = TILED ? wp + (size_t)rb * 16 * kh + g * 64 : wp + (size_t)rg * kh;
+  const uint8_t *wg8 = TILED ? wg + 8 * 64 : wp + (size_t)rg8 * kh;
+  const uint8_t *sg = ws + (size_t)rg * kg, *sg8 = ws + (size_t)rg8 * kg;
+  const bool xok = g < M;
+  const __nv_bfloat16 *xg = x + (size_t)(xok ? g : 0) * sxm;
+  Chunk ca, cb;
+  if (c0 < c1) load_chunk<TILED>(ca, wg, wg8, sg, sg8, xg, xok, c0, t);
+  for (int c = c0; c < c1; c += 2) {
+    if (c + 1 < c1) load_chunk<TILED>(cb, wg, wg8, sg, sg8, xg, xok, c + 1, t);
+    compute_chunk(ca, acc);
+    if (c + 1 < c1) {
+      if (c + 2 < c1) load_chunk<TILED>(ca, wg, wg8, sg, sg8, xg, xok, c + 2, t);
+      compute_chunk(cb, acc);
+    }
+  }
+}
+"""
+
+SOURCE = DEVICE_COMMON + r"""// final value of output (m, row): sum * gain / global_scale[seg] + bias[row] + lora_scale * xa[m, seg] . lb[row]
+__device__ __forceinline__ void finish(float v, int m, int row, int M, int N, int N1, int N2, const float *gs,
+                                       const __nv_bfloat16 *bias, const __nv_bfloat16 *xa, int sxa,
+                                       const __nv_bfloat16 *lb, int slb, int R, float lora_scale,
+                                       __nv_bfloat16 *out, int som) {
+  if (m >= M || row >= N) return;
+  const int seg = (row >= N1) + (row >= N2);
+  float y = v * (128.0f / gs[seg]);
+  if (bias) y += __bfloat162float(bias[row]);
+  if (xa) {
+    float l = 0.f;
+    const __nv_bfloat16 *a = xa + (size_t)m * sxa + seg * R, *b = lb + (size_t)row * slb;
+    int j = 0;
+    if ((R & 7) == 0 && (sxa & 7) == 0 && (slb & 7) == 0) {  // 8 bf16 per 16-byte load
+      for (; j < R; j += 8) {
+        const uint4 av = __ldg(reinterpret_cast<const uint4 *>(a + j));
+        const uint4 bv = __ldg(reinterpret_cast<const uint4 *>(b + j));
+        const __nv_bfloat162 *a2 = reinterpret_cast<const __nv_bfloat162 *>(&av);
+        const __nv_bfloat162 *b2 = reinterpret_cast<const __nv_bfloat162 *>(&bv);
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+          const float2 af = __bfloat1622float2(a2[q]), bf = __bfloat1622float2(b2[q]);
+          l += af.x * bf.x + af.y * bf.y;
+        }
+      }
+    }
+    for (; j < R; j++) l += __bfloat162float(a[j]) * __bfloat162float(b[j]);
+    y += lora_scale * l;
+  }
+  out[(size_t)m * som + row] = __float2bfloat16_rn(y);
+}
+
+extern "C" __global__ void __launch_bounds__(128) fp4_mm_m8(
+    const uint8_t *__restrict__ wp, const uint8_t *__restrict__ ws, const float *__restrict__ gs,
+    const __nv_bfloat16 *__restrict__ x, int sxm, __nv_bfloat16 *__restrict__ out, int som, float *part, int *cnt,
+    const __nv_bfloat16 *__restrict__ bias, const __nv_bfloat16 *__restrict__ xa, int sxa,
+    const __nv_bfloat16 *__restrict__ lb, int slb, float lora_scale, int M, int N, int K, int N1, int N2, int R,
+    int chunks_per_split, int splits) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int rb = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), r0 = rb * 16;
+  if (r0 >= N) return;
+  const int c0 = blockIdx.y * chunks_per_split, c1 = min(c0 + chunks_per_split, K / 128);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  accumulate<false>(acc, wp, ws, x, sxm, M, N, K, rb, c0, c1);
+  const int rows[4] = {r0 + g, r0 + g, r0 + g + 8, r0 + g + 8};
+  const int ms[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  if (splits > 1) {
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+      if (ms[i] < M && rows[i] < N) atomicAdd(part + (size_t)ms[i] * N + rows[i], acc[i]);
+    __threadfence();
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(cnt + rb, 1) == splits - 1;
+    last = __shfl_sync(0xffffffffu, last, 0);
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      if (ms[i] < M && rows[i] < N) {
+        float *p = part + (size_t)ms[i] * N + rows[i];
+        acc[i] = __ldcg(p);
+        *p = 0.f;  // left at zero for the next launch
+      }
+    }
+    if (lane == 0) cnt[rb] = 0;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+    finish(acc[i], ms[i], rows[i], M, N, N1, N2, gs, bias, xa, sxa, lb, slb, R, lora_scale, out, som);
+}
+"""
+
+
+def _find_nvrtc() -> tuple[Path, Path] | None:
+    """libnvrtc and the include dir with cuda_bf16.h: the CUDA torch wheel's nvidia package, else CUDA_HOME."""
+    roots = [Path(torch.__file__).parent.parent / "nvidia"]
+    roots += [Path(p) for p in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if p]
+    for root in roots:
+        if not root.exists():
+            continue
+        libs = [lib for lib in sorted(root.glob("**/libnvrtc.so*"))
+                if "builtins" not in lib.name and ".alt." not in lib.name]
+        heads = sorted(root.glob("**/cuda_bf16.h"))
+        if libs and heads:
+            return libs[0], heads[0].parent
+    return None
+
+
+def _find_nvcc(nvcc: str | None = None) -> str | None:
+    nvcc = nvcc or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    return nvcc if Path(nvcc).exists() or shutil.which(nvcc) else None
+
+
+def _compile_nvrtc(source: str, arch: str) -> bytes:
+    found = _find_nvrtc()
+    if found is None:
+        raise RuntimeError("NVRTC not found (no libnvrtc.so + cuda_bf16.h in torch's nvidia package or CUDA_HOME)")
+    lib_path, include = found
+    lib = ctypes.CDLL(str(lib_path))
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"qerl_fp4.cu", 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    opts = [f"--gpu-architecture={arch}".encode(), f"-I{include}".encode(), b"--std=c++17"]
+    try:
+        if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)):
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC failed: {log.value.decode(errors='replace').strip().splitlines()[:3]}")
+        size = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def compile_cubin(source: str, arch: str, compiler: str = "auto", nvcc: str | None = None) -> bytes:
+    """A cubin of `source` for `arch` (e.g. sm_90): nvcc when there is one (auto, nvcc), else NVRTC (auto, nvrtc);
+    one clear error when neither is there or the source does not build."""
+    nvcc_path = _find_nvcc(nvcc) if compiler in ("auto", "nvcc") else None
+    if nvcc_path is None:
+        if compiler == "nvcc":
+            raise RuntimeError(f"nvcc not found (looked on PATH and at {nvcc or '/usr/local/cuda/bin/nvcc'})")
+        return _compile_nvrtc(source, arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp, "qerl_fp4.cu"), Path(tmp, "qerl_fp4.cubin")
+        src.write_text(source)
+        proc = subprocess.run([nvcc_path, "-cubin", f"-arch={arch}", "-O3", "-o", str(out), str(src)],
+                              capture_output=True, text=True, check=False)
+        if proc.returncode:
+            raise RuntimeError(f"nvcc failed: {proc.stderr.strip().splitlines()[:3]}")
+        return out.read_bytes()
+
+
+class CudaModule:
+    """A cubin loaded into torch's CUDA context; `launch` runs one of its kernels on the current stream."""
+
+    def __init__(self, cubin: bytes, names: list[str]):
+        torch.zeros(1, device="cuda")  # torch's primary context is current
+        self._cuda = ctypes.CDLL("libcuda.so.1")
+        self._cubin = cubin
+        self._mod = ctypes.c_void_p()
+        self._check(self._cuda.cuModuleLoadData(ctypes.byref(self._mod), cubin), "cuModuleLoadData")
+        self.functions = {}
+        for name in names:
+            fn = ctypes.c_void_p()
+            self._check(self._cuda.cuModuleGetFunction(ctypes.byref(fn), self._mod, name.encode()),
+                        f"cuModuleGetFunction({name})")
+            self.functions[name] = fn
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code:
+            raise RuntimeError(f"{what} returned CUDA error {code}")
+
+    def launch(self, name: str, grid: tuple[int, int], block: int, args: list) -> None:
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        self._check(self._cuda.cuLaunchKernel(self.functions[name], grid[0], grid[1], 1, block, 1, 1, 0,
+                                              ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), params,
+                                              None), f"cuLaunchKernel({name})")
+
+
+def enabled() -> bool:
+    """QERL_FP4_CUDA=1 turns the CUDA few-row path on (default off: the Triton kernel)."""
+    return os.environ.get("QERL_FP4_CUDA", "0") == "1"
+
+
+@functools.cache
+def _module(device_index: int) -> CudaModule:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return CudaModule(compile_cubin(SOURCE, f"sm_{major}{minor}"), ["fp4_mm_m8"])
+
+
+def supports(x2: torch.Tensor, weight_packed: torch.Tensor, n: int, k: int, n1: int, n2: int) -> bool:
+    """Inside the kernel's envelope (else the Triton kernel runs): bf16 x of 1..8 rows, K % 128, N and segment
+    bounds % 16, 16-byte aligned rows, sm_89+."""
+    return (x2.is_cuda and x2.dtype == torch.bfloat16 and 0 < x2.shape[0] <= MAX_ROWS and k % CHUNK == 0
+            and n % 16 == 0 and n1 % 16 == 0 and n2 % 16 == 0 and x2.stride(1) == 1 and x2.stride(0) % 8 == 0
+            and x2.data_ptr() % 16 == 0 and weight_packed.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(x2.device) >= (8, 9))
+
+
+_WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partial sums (MAX_ROWS x n) and per-16-row counters, both left at zero by every launch; one set per
+    (device, stream). Warm a shape up before CUDA-graph capture so no allocation is captured."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(),
+           torch.cuda.current_stream(device).cuda_stream)
+    part, cnt = _WORKSPACES.get(key, (None, None))
+    if part is None or part.numel() < MAX_ROWS * n:
+        part = torch.zeros(max(MAX_ROWS * n, 1 << 16), dtype=torch.float32, device=device)
+    if cnt is None or cnt.numel() < n // 16:
+        cnt = torch.zeros(max(n // 16, 4096), dtype=torch.int32, device=device)
+    _WORKSPACES[key] = (part, cnt)
+    return part, cnt
+
+
+def pick_splits(n: int, k: int, device: torch.device) -> int:
+    """K splits for ~64 warps of work per SM, at least 2 chunks each, at most 16 (the prototype's best on an H100:
+    7B gate/up 7, down 14, q/o 14)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    chunks = k // CHUNK
+    want = math.ceil(64 * sms / max(1, n // 16))
+    splits = max(1, min(want, chunks // 2, 16))
+    return math.ceil(chunks / math.ceil(chunks / splits))  # no split without work
+
+
+def fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b, lora_scale: float,
+                    n1: int, n2: int, splits: int | None = None) -> torch.Tensor:
+    """(M, K) bf16 x -> (M, N) bf16; xa (M, segments * R) and lora_b (N, R) as from triton_fp4._lora_operands."""
+    m, k = x2.shape
+    n = weight_packed.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device)
+    splits = splits or pick_splits(n, k, x2.device)
+    chunks = k // CHUNK
+    per_split = math.ceil(chunks / splits)
+    splits = math.ceil(chunks / per_split)
+    part, cnt = _workspace(x2.device, n)
+    wp = weight_packed.contiguous()
+    ws = weight_scale.contiguous().view(torch.uint8)
+    gs = weight_global_scale.reshape(-1).to(torch.float32).contiguous()
+    b = bias.contiguous() if bias is not None else None
+    r = 0 if lora_b is None else lora_b.shape[1]
+    lb = None if lora_b is None else lora_b.contiguous()
+    args = [ctypes.c_void_p(wp.data_ptr()), ctypes.c_void_p(ws.data_ptr()), ctypes.c_void_p(gs.data_ptr()),
+            ctypes.c_void_p(x2.data_ptr()), ctypes.c_int(x2.stride(0)), ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_int(out.stride(0)), ctypes.c_void_p(part.data_ptr()), ctypes.c_void_p(cnt.data_ptr()),
+            ctypes.c_void_p(0 if b is None else b.data_ptr()),
+            ctypes.c_void_p(0 if xa is None else xa.data_ptr()), ctypes.c_int(0 if xa is None else xa.stride(0)),
+            ctypes.c_void_p(0 if lb is None else lb.data_ptr()), ctypes.c_int(0 if lb is None else lb.stride(0)),
+            ctypes.c_float(lora_scale), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(n1),
+            ctypes.c_int(n2), ctypes.c_int(r), ctypes.c_int(per_split), ctypes.c_int(splits)]
+    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    _module(dev).launch("fp4_mm_m8", (math.ceil(n / (16 * WARPS)), splits), 32 * WARPS, args)
+    return out
+
+
+assert ptx.DEQ_GAIN == 128.0  # the kernel's finish multiplies by 128 / global_scale

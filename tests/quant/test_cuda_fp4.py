@@ -1,0 +1,130 @@
+"""The opt-in CUDA few-row kernel (qerl.quant.cuda_fp4, QERL_FP4_CUDA=1) vs float64 and the Triton kernel."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl.quant import cuda_fp4
+
+HAS_COMPILER = (shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+                or cuda_fp4._find_nvrtc() is not None)
+
+
+def test_off_by_default_and_cpu_outside_the_envelope(monkeypatch):
+    monkeypatch.delenv("QERL_FP4_CUDA", raising=False)
+    assert not cuda_fp4.enabled()
+    monkeypatch.setenv("QERL_FP4_CUDA", "1")
+    assert cuda_fp4.enabled()
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    assert not cuda_fp4.supports(x, torch.zeros(32, 128, dtype=torch.uint8), 32, 256, 32, 32)
+
+
+def test_missing_compilers_are_one_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        cuda_fp4.compile_cubin(cuda_fp4.SOURCE, "sm_90", compiler="nvcc", nvcc=str(tmp_path / "nvcc"))
+    monkeypatch.setattr(cuda_fp4, "_find_nvrtc", lambda: None)
+    with pytest.raises(RuntimeError, match="NVRTC not found"):
+        cuda_fp4.compile_cubin(cuda_fp4.SOURCE, "sm_90", nvcc=str(tmp_path / "nvcc"))
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs nvcc or NVRTC")
+def test_source_builds_for_hopper():
+    cubin = cuda_fp4.compile_cubin(cuda_fp4.SOURCE, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and b"fp4_mm_m8" in cubin
+
+
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture
+def on(monkeypatch):
+    if not HAS_COMPILER:
+        pytest.skip("needs nvcc or NVRTC")
+    monkeypatch.setenv("QERL_FP4_CUDA", "1")
+    from qerl.quant import triton_fp4
+
+    return triton_fp4
+
+
+def _case(sizes, rows, k=1024, rank=16, seed=0):
+    from test_triton_fp4 import _stacked_case
+
+    return _stacked_case(sizes, rows, rank=rank, k=k, seed=seed)
+
+
+def _err(out, ref):
+    out = out.double()
+    assert out.isfinite().all()
+    return ((out - ref).norm() / ref.norm()).item(), ((out - ref).abs().amax() / ref.abs().amax()).item()
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("sizes,k", [((96,), 1024), ((64, 16, 16), 1024), ((3584, 512, 512), 3584),
+                                     ((3584,), 18944)])
+def test_matches_float64_with_bias_lora_and_segments(on, rows, sizes, k):
+    (x, packed, scale, gs, bias, a, b), ref = _case(sizes, rows, k=k)
+    calls = []
+    real = cuda_fp4.fp4_matmul_cuda
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda_fp4, "fp4_matmul_cuda", lambda *aa, **kw: calls.append(1) or real(*aa, **kw))
+        out = on.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
+    assert calls, "the CUDA kernel did not run"
+    frob, worst = _err(out, ref)
+    assert frob < 5e-3 and worst < 2e-2, f"{sizes} rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QERL_FP4_CUDA", "0")
+        triton_out = on.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
+    torch.testing.assert_close(out, triton_out, rtol=2e-2, atol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("splits", [1, 2, 5, 8])
+def test_every_split_count_and_no_lora_no_bias(on, splits):
+    from qerl.quant.format import dequantize_nvfp4
+    from test_triton_fp4 import _random_fp4
+
+    packed, scale, gs = _random_fp4(160, 1024, seed=splits)
+    x = torch.randn(6, 1024, device="cuda", dtype=torch.bfloat16)
+    ref = x.double() @ dequantize_nvfp4(packed, scale, gs, torch.float64).T
+    out = cuda_fp4.fp4_matmul_cuda(x, packed, scale, gs.reshape(1), None, None, None, 1.0, 160, 160, splits=splits)
+    frob, worst = _err(out, ref)
+    assert frob < 5e-3 and worst < 2e-2
+    again = cuda_fp4.fp4_matmul_cuda(x, packed, scale, gs.reshape(1), None, None, None, 1.0, 160, 160,
+                                     splits=splits)
+    assert torch.equal(out.isfinite(), again.isfinite())
+    torch.testing.assert_close(out, again, rtol=0, atol=0) if splits == 1 else \
+        torch.testing.assert_close(out, again, rtol=1e-2, atol=1e-2)  # atomics: order may differ
+
+
+@gpu
+def test_cuda_graph_replay_equals_eager(on):
+    (x, packed, scale, gs, bias, a, b), ref = _case((3584, 512, 512), 8, k=3584)
+    args = (packed, scale, gs, bias, a, b, 0.5)
+    eager = on.fp4_matmul_triton(x, *args, segments=[3584, 512, 512])
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        on.fp4_matmul_triton(static_x, *args, segments=[3584, 512, 512])  # workspace before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        static_out = on.fp4_matmul_triton(static_x, *args, segments=[3584, 512, 512])
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static_out, eager, rtol=1e-2, atol=1e-2)
+    assert _err(static_out, ref)[0] < 5e-3
+
+
+@gpu
+def test_outside_the_envelope_stays_on_triton(on, monkeypatch):
+    (x, packed, scale, gs, bias, a, b), ref = _case((96,), 9)
+    monkeypatch.setattr(cuda_fp4, "fp4_matmul_cuda", lambda *aa, **kw: pytest.fail("CUDA kernel used"))
+    out = on.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5)  # 9 rows
+    assert _err(out, ref)[0] < 5e-3
+    on.fp4_matmul_triton(x[:4].half(), packed, scale, gs, bias.half(), a.half(), b.half(), 0.5)  # fp16
