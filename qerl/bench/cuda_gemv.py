@@ -15,9 +15,10 @@ and thread. Variants (`KERNELS`):
          1 KiB block: the fastest (H100, 7B gate/up at M = 1: 19.0 -> 17.1 us, 74% of the copy bandwidth).
 The same tiled layout does not speed up the Triton kernel (tried in session 6: 24.8 -> 24.5 us).
 
-Not wired into qerl: it lacks bias, the LoRA epilogue, stacked segments, M > 8, ragged N / K and an in-kernel
-finish (the `full` column adds the zeroing and the scale + bf16 conversion as torch ops). It is compiled into a
-cubin by nvcc or, without it, NVRTC (libnvrtc and the CUDA headers come with CUDA builds of torch) and launched through the CUDA driver API (ctypes) on torch's current stream, so CUDA graphs capture it.
+These kernels lack bias, the LoRA epilogue, stacked segments, M > 8, ragged N / K and an in-kernel finish (the
+`full` column adds the zeroing and the scale + bf16 conversion as torch ops); qerl.quant.cuda_fp4 (opt-in) is the
+complete version of `base`. Built by qerl.quant.cuda_fp4.compile_cubin (nvcc, else NVRTC from torch's CUDA wheel),
+launched through the CUDA driver API on torch's current stream, so CUDA graphs capture it.
 Every timed configuration is first checked against the float64 reference.
 """
 from __future__ import annotations

@@ -170,7 +170,8 @@ __device__ __forceinline__ void accumulate(float *acc, const uint8_t *wp, const 
 }
 """
 
-SOURCE = DEVICE_COMMON + r"""// final value of output (m, row): sum * gain / global_scale[seg] + bias[row] + lora_scale * xa[m, seg] . lb[row]
+SOURCE = DEVICE_COMMON + r"""
+// output (m, row) = sum * 128 / global_scale[seg] + bias[row] + lora_scale * xa[m, seg] . lb[row]
 __device__ __forceinline__ void finish(float v, int m, int row, int M, int N, int N1, int N2, const float *gs,
                                        const __nv_bfloat16 *bias, const __nv_bfloat16 *xa, int sxa,
                                        const __nv_bfloat16 *lb, int slb, int R, float lora_scale,
