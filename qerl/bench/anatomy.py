@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.worker:
         print(json.dumps(_worker(a.worker, shapes, rows)))
         return
-    from qerl.bench.kernels import _environment, measure_ceilings, write_json
+    from qerl.bench.kernels import _environment, measure_ceilings, publish
 
     variants = [v for v in a.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -114,10 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         if proc.returncode:
             raise SystemExit(f"variant {v} failed: {proc.stderr.strip().splitlines()[-1:]}")
         result["rows"] += json.loads(proc.stdout.strip().splitlines()[-1])
-    result["markdown"] = markdown(result)
-    print(result["markdown"])
-    write_json(a.out, result)
-    print(f"wrote {a.out}")
+    publish(result, markdown(result), a.out)
 
 
 if __name__ == "__main__":

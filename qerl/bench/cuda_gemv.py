@@ -263,15 +263,12 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl.bench.cuda_gemv needs a CUDA GPU")
-    from qerl.bench.kernels import write_json
+    from qerl.bench.kernels import publish
 
     result = run([int(v) for v in a.rows.split(",")], [int(v) for v in a.splits.split(",")],
                  [int(v) for v in a.warps.split(",")], [v for v in a.variants.split(",") if v],
                  a.compiler)
-    result["markdown"] = markdown(result)
-    print(result["markdown"])
-    write_json(a.out, result)
-    print(f"wrote {a.out}")
+    publish(result, markdown(result), a.out)
 
 
 if __name__ == "__main__":

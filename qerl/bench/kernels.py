@@ -182,6 +182,14 @@ def write_json(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+def publish(result: dict, table: str, out: Path) -> None:
+    """Print a benchmark's Markdown table and write its JSON (with the table) atomically."""
+    result["markdown"] = table
+    print(table)
+    write_json(out, result)
+    print(f"wrote {out}")
+
+
 def _environment() -> dict:
     import triton
 

@@ -21,3 +21,13 @@ def test_cli_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(anatomy.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         anatomy.main(["--rows", "1"])
+
+
+def test_publish_prints_and_writes_the_table(tmp_path, capsys):
+    import json
+
+    from qerl.bench.kernels import publish
+
+    publish({"rows": []}, "| a |", tmp_path / "r.json")
+    assert "| a |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "r.json").read_text())["markdown"] == "| a |"
