@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from qerl.quant import cuda_fp4
+from qerl.quant.tiling import no_empty_splits
 
 SOURCE = cuda_fp4.DEVICE_COMMON + r"""
 // fp32 partials of the warp's tile added into out (M, N) with atomics
@@ -176,8 +177,9 @@ class CudaGemv:
             raise ValueError(f"prototype limits: M <= 8, N % 16 == 0, K % {CHUNK} == 0, bf16 x, fp32 out; "
                              f"got M={m} N={n} K={k} {x.dtype} {out.dtype}")
         chunks = k // CHUNK
+        splits = no_empty_splits(splits, chunks)
         per_split = -(-chunks // splits)
-        grid = (-(-n // (16 * warps)), -(-chunks // per_split))
+        grid = (-(-n // (16 * warps)), splits)
         args = [ctypes.c_void_p(weight_packed.data_ptr()), ctypes.c_void_p(weight_scale_u8.data_ptr()),
                 ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(m), ctypes.c_int(n),
                 ctypes.c_int(k), ctypes.c_int(per_split)]

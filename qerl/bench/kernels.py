@@ -213,11 +213,13 @@ def run(models: list[str], rows_m: list[int], naive: bool) -> dict:
 
 # Candidate tiles per row bucket: (bm, bn, bk, warps, stages, maxnreg[, swap_ab]); split-K: none, 2 and 6 programs
 # per SM. "dense" = chunked dequantize + cuBLAS (qerl.quant.triton_dequant). The swap_ab tiles (W as the MMA's A
-# operand) have 4.8-5.2 SASS instructions per weight against 5.8 for the default few-row tile (sm_90 cubin); from 4
-# warps they run on Hopper's wgmma with the dequantized W straight from registers (unswapped: W goes through smem).
+# operand) had 4.8-5.2 SASS instructions per weight against 5.8 for the few-row tile (sm_90 cubin, with the lookup-
+# table decode of session 5; the table-free decode takes that tile to 5.5); from 4 warps they run on Hopper's wgmma
+# with the dequantized W straight from registers (unswapped: W goes through smem). The first M <= 16 entry is the
+# shipped default (forward_config), the second its 4-stage predecessor.
 SWEEP_FWD = {
-    16: [(16, 32, 256, 4, 4, 128), (16, 64, 256, 4, 4, None), (16, 64, 128, 4, 4, None), (16, 128, 128, 4, 3, None),
-         (16, 128, 128, 4, 4, None), (16, 128, 64, 4, 4, None), (16, 256, 64, 4, 4, None), (16, 256, 64, 8, 4, None),
+    16: [(16, 32, 256, 4, 3, 128), (16, 32, 256, 4, 4, 128), (16, 64, 256, 4, 4, None), (16, 64, 128, 4, 4, None),
+         (16, 128, 128, 4, 3, None), (16, 128, 128, 4, 4, None), (16, 128, 64, 4, 4, None), (16, 256, 64, 4, 4, None), (16, 256, 64, 8, 4, None),
          (16, 32, 256, 2, 4, None, True), (16, 32, 128, 2, 4, None, True), (16, 32, 128, 2, 6, None, True),
          (16, 64, 128, 4, 4, None, True), (16, 64, 256, 4, 3, None, True), (16, 128, 128, 4, 3, None, True)],
     64: [(32, 64, 256, 4, 3, None), (64, 64, 128, 4, 4, None), (64, 128, 64, 4, 4, None), (64, 128, 64, 4, 3, None),

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from qerl.quant import ptx
+from qerl.quant.tiling import no_empty_splits, target_programs
 
 CHUNK = 128  # weights per row per chunk
 MAX_ROWS = 8
@@ -377,23 +378,22 @@ def _workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor
 def pick_splits(n: int, k: int, device: torch.device) -> int:
     """K splits for ~64 warps of work per SM, at least 2 chunks each, at most 16 (the prototype's best on an H100:
     7B gate/up 7, down 14, q/o 14)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     chunks = k // CHUNK
-    want = math.ceil(64 * sms / max(1, n // 16))
-    splits = max(1, min(want, chunks // 2, 16))
-    return math.ceil(chunks / math.ceil(chunks / splits))  # no split without work
+    want = math.ceil(32 * target_programs(device) / max(1, n // 16))  # target_programs = 2 per SM
+    return no_empty_splits(max(1, min(want, chunks // 2, 16)), chunks)
 
 
 def fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b, lora_scale: float,
-                    n1: int, n2: int, splits: int | None = None) -> torch.Tensor:
-    """(M, K) bf16 x -> (M, N) bf16; xa (M, segments * R) and lora_b (N, R) as from triton_fp4._lora_operands."""
+                    n1: int, n2: int, splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(M, K) bf16 x -> (M, N) bf16 (into `out` when given, contiguous); xa (M, segments * R) and lora_b (N, R) as
+    from triton_fp4._lora_operands."""
     m, k = x2.shape
     n = weight_packed.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device)
-    splits = splits or pick_splits(n, k, x2.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device)
     chunks = k // CHUNK
+    splits = no_empty_splits(splits, chunks) if splits else pick_splits(n, k, x2.device)
     per_split = math.ceil(chunks / splits)
-    splits = math.ceil(chunks / per_split)
     part, cnt = _workspace(x2.device, n)
     wp = weight_packed.contiguous()
     ws = weight_scale.contiguous().view(torch.uint8)

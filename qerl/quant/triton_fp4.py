@@ -463,9 +463,9 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
     r = 0 if lb is None else lb.shape[1]
     if path == "auto" and config is None and use_asm and cuda_fp4.enabled() and cuda_fp4.supports(
             x2, weight_packed, n, k, n1, n2):  # opt-in hand-written few-row kernel (QERL_FP4_CUDA=1)
-        y = cuda_fp4.fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lb,
-                                     float(lora_scale), n1, n2)
-        return y.reshape(*lead, n)
+        cuda_fp4.fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lb,
+                                 float(lora_scale), n1, n2, out=out)
+        return out.reshape(*lead, n)
     if _use_dense(path, m, config):
         from qerl.quant.triton_dequant import dense_fp4_matmul
 
