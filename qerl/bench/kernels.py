@@ -219,7 +219,8 @@ def run(models: list[str], rows_m: list[int], naive: bool) -> dict:
 # shipped default (forward_config), the second its 4-stage predecessor.
 SWEEP_FWD = {
     16: [(16, 32, 256, 4, 3, 128), (16, 32, 256, 4, 4, 128), (16, 64, 256, 4, 4, None), (16, 64, 128, 4, 4, None),
-         (16, 128, 128, 4, 3, None), (16, 128, 128, 4, 4, None), (16, 128, 64, 4, 4, None), (16, 256, 64, 4, 4, None), (16, 256, 64, 8, 4, None),
+         (16, 128, 128, 4, 3, None), (16, 128, 128, 4, 4, None), (16, 128, 64, 4, 4, None), (16, 256, 64, 4, 4, None),
+         (16, 256, 64, 8, 4, None),
          (16, 32, 256, 2, 4, None, True), (16, 32, 128, 2, 4, None, True), (16, 32, 128, 2, 6, None, True),
          (16, 64, 128, 4, 4, None, True), (16, 64, 256, 4, 3, None, True), (16, 128, 128, 4, 3, None, True)],
     64: [(32, 64, 256, 4, 3, None), (64, 64, 128, 4, 4, None), (64, 128, 64, 4, 4, None), (64, 128, 64, 4, 3, None),
