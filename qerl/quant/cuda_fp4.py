@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from qerl.quant import ptx
+from qerl.quant.kernels import _fp8_capable
 from qerl.quant.tiling import no_empty_splits, target_programs
 
 CHUNK = 128  # weights per row per chunk
@@ -355,7 +356,7 @@ def supports(x2: torch.Tensor, weight_packed: torch.Tensor, n: int, k: int, n1: 
     return (x2.is_cuda and x2.dtype == torch.bfloat16 and 0 < x2.shape[0] <= MAX_ROWS and k % CHUNK == 0
             and n % 16 == 0 and n1 % 16 == 0 and n2 % 16 == 0 and x2.stride(1) == 1 and x2.stride(0) % 8 == 0
             and x2.data_ptr() % 16 == 0 and weight_packed.data_ptr() % 16 == 0
-            and torch.cuda.get_device_capability(x2.device) >= (8, 9))
+            and _fp8_capable(x2.device.index if x2.device.index is not None else torch.cuda.current_device()))
 
 
 _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
