@@ -50,9 +50,9 @@ __device__ __forceinline__ void gemv_m8(const uint8_t *__restrict__ wp, const ui
   const int rb = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (rb * 16 >= N) return;
   const int c0 = blockIdx.y * chunks_per_split, c1 = min(c0 + chunks_per_split, K / 128);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  accumulate<TILED>(acc, wp, ws, x, K, M, N, K, rb, c0, c1);
-  add_partials(out, acc, M, N, rb * 16);
+  float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+  accumulate<TILED, 1>(acc, wp, ws, x, K, M, N, K, rb, c0, c1);
+  add_partials(out, acc[0], M, N, rb * 16);
 }
 
 extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8(const uint8_t *__restrict__ wp,
@@ -96,8 +96,8 @@ __device__ __forceinline__ void load_w(WChunk &ch, const uint8_t *wg, const uint
 }
 
 __device__ __forceinline__ void compute_w(const WChunk &w, const __nv_bfloat16 *xg, bool xok, int c, int t,
-                                          float *acc) {
-  Chunk ch;
+                                          float (*acc)[4]) {
+  Chunk<1> ch;
   ch.wa = w.wa;
   ch.wb = w.wb;
   ch.sa = w.sa;
@@ -105,12 +105,12 @@ __device__ __forceinline__ void compute_w(const WChunk &w, const __nv_bfloat16 *
   if (xok) {
     const uint4 *xp = reinterpret_cast<const uint4 *>(xg + c * 128 + 32 * t);
 #pragma unroll
-    for (int i = 0; i < 4; i++) ch.x[i] = __ldg(xp + i);
+    for (int i = 0; i < 4; i++) ch.x[0][i] = __ldg(xp + i);
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; i++) ch.x[i] = make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < 4; i++) ch.x[0][i] = make_uint4(0, 0, 0, 0);
   }
-  compute_chunk(ch, acc);
+  compute_chunk<1>(ch, acc);
 }
 
 extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8_deep(const uint8_t *__restrict__ wp,
@@ -130,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8_deep(const uint8_t
   const __nv_bfloat16 *xg = x + (size_t)(xok ? g : 0) * K;
   const int c0 = blockIdx.y * chunks_per_split;
   const int c1 = min(c0 + chunks_per_split, K / 128);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
   WChunk w0, w1, w2;
   if (c0 < c1) load_w(w0, wg, wg8, sg, sg8, c0, t);
   if (c0 + 1 < c1) load_w(w1, wg, wg8, sg, sg8, c0 + 1, t);
@@ -144,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8_deep(const uint8_t
     if (c + 4 < c1) load_w(w1, wg, wg8, sg, sg8, c + 4, t);
     compute_w(w2, xg, xok, c + 2, t, acc);
   }
-  add_partials(out, acc, M, N, r0);
+  add_partials(out, acc[0], M, N, r0);
 }
 """
 
@@ -243,6 +243,78 @@ def run(rows_m: list[int], splits_list: list[int], warps_list: list[int], varian
     return result
 
 
+LAYER_SHAPES = {"7B": [("q|k|v", 4608, 3584), ("o", 3584, 3584), ("gate|up", 37888, 3584), ("down", 3584, 18944)],
+                "32B": [("q|k|v", 7168, 5120), ("o", 5120, 5120), ("gate|up", 55296, 5120),
+                        ("down", 5120, 27648)]}
+
+
+def run_wired(models: list[str], rows_m: list[int], warps_list: list[int]) -> dict:
+    """qerl.quant.cuda_fp4 (the wired-in kernel) per decoder-layer shape: its chosen (cluster, warps), every other
+    candidate with warps in `warps_list`, the Triton kernel and bf16 torch.matmul, all in one process."""
+    from qerl.bench.kernels import _copies, _environment, _fp4_weights, fp4_reference, graph_time_us
+    from qerl.bench.kernels import measure_ceilings
+    from qerl.quant import triton_fp4 as tf
+
+    dev = torch.cuda.current_device()
+    clusters = torch.cuda.get_device_capability(dev)[0] >= 9
+    result = {**_environment(), "ceilings": measure_ceilings(), "rows": []}
+    for model in models:
+        for layer, n, k in LAYER_SHAPES[model]:
+            fp4 = _fp4_weights(n, k, _copies(n * k // 2 + n * k // 16), 0)
+            nb = _copies(2 * n * k)
+            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
+            for m in rows_m:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = fp4_reference(x, *fp4[0])
+                chosen = cuda_fp4._config(dev, cuda_fp4._n_tiles(m), n, k)
+                row = {"model": model, "layer": layer, "N": n, "K": k, "M": m, "chosen": list(chosen),
+                       "bf16_us": graph_time_us(lambda i: torch.matmul(x, wb[i].T), nb),
+                       "triton_us": graph_time_us(lambda i: tf.fp4_matmul_triton(x, *fp4[i], path="fused"),
+                                                  len(fp4)), "configs": []}
+                for cfg in cuda_fp4.candidate_configs(k, clusters):
+                    if cfg != chosen and cfg[1] not in warps_list:
+                        continue
+
+                    def call(i, cfg=cfg):
+                        return cuda_fp4.fp4_matmul_cuda(x, *fp4[i], None, None, None, 1.0, n, n, config=cfg)
+
+                    err = ((call(0).double() - ref).norm() / ref.norm()).item()
+                    if not err < 1e-2:
+                        raise RuntimeError(f"{layer} M={m} config {cfg}: rel. error {err:.2e}")
+                    row["configs"].append({"cluster": cfg[0], "warps": cfg[1], "us": graph_time_us(call, len(fp4)),
+                                           "err": err})
+                best = min(row["configs"], key=lambda c: c["us"])
+                row["chosen_us"] = next(c["us"] for c in row["configs"]
+                                        if (c["cluster"], c["warps"]) == tuple(chosen))
+                row.update(best_us=best["us"], best=[best["cluster"], best["warps"]],
+                           floor_us=n * k * 0.5625 / result["ceilings"]["copy_GBps"] / 1e3)
+                result["rows"].append(row)
+                print(f"{model} {layer} M={m}: bf16 {row['bf16_us']:.1f} triton {row['triton_us']:.1f} CUDA chosen "
+                      f"{tuple(chosen)} {row['chosen_us']:.1f}, best {tuple(row['best'])} {best['us']:.1f}, "
+                      f"floor {row['floor_us']:.1f} us", flush=True)
+            del wb, fp4
+    return result
+
+
+def wired_markdown(result: dict) -> str:
+    lines = ["| model | layer | N x K | M | floor us | bf16 us | Triton us | CUDA us (cluster, warps) | best us "
+             "(cluster, warps) | CUDA vs Triton | CUDA vs bf16 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    totals: dict = {}
+    for r in result["rows"]:
+        layer = r["layer"].replace("|", "\\|")
+        lines.append(f"| {r['model']} | {layer} | {r['N']} x {r['K']} | {r['M']} | {r['floor_us']:.1f} | "
+                     f"{r['bf16_us']:.1f} | {r['triton_us']:.1f} | {r['chosen_us']:.1f} {tuple(r['chosen'])} | "
+                     f"{r['best_us']:.1f} {tuple(r['best'])} | {r['triton_us'] / r['chosen_us']:.2f}x | "
+                     f"{r['bf16_us'] / r['chosen_us']:.2f}x |")
+        t = totals.setdefault((r["model"], r["M"]), [0.0, 0.0, 0.0, 0.0, 0.0])
+        for i, key in enumerate(("floor_us", "bf16_us", "triton_us", "chosen_us", "best_us")):
+            t[i] += r[key]
+    for (model, m), t in totals.items():
+        lines.append(f"| {model} | **layer** | | {m} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {t[3]:.1f} | {t[4]:.1f} |"
+                     f" {t[2] / t[3]:.2f}x | {t[1] / t[3]:.2f}x |")
+    return "\n".join(lines)
+
+
 def markdown(result: dict) -> str:
     lines = ["| layer | N x K | M | floor us | Triton us | CUDA kernel us | CUDA + zero/finish us | kernel vs Triton |",
              "|---|---|---|---|---|---|---|---|"]
@@ -262,10 +334,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warps", default="4")
     p.add_argument("--compiler", choices=["auto", "nvcc", "nvrtc"], default="auto")
     p.add_argument("--variants", default="base,deep,tiled", help="kernels: " + ", ".join(KERNELS))
+    p.add_argument("--wired", action="store_true",
+                   help="time qerl.quant.cuda_fp4 (chosen and swept configs) against Triton and bf16 instead")
+    p.add_argument("--models", default="7B", help="with --wired: " + ", ".join(LAYER_SHAPES))
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl.bench.cuda_gemv needs a CUDA GPU")
     from qerl.bench.kernels import publish
+
+    if a.wired:
+        result = run_wired(a.models.split(","), [int(v) for v in a.rows.split(",")],
+                           [int(v) for v in a.warps.split(",")])
+        publish(result, wired_markdown(result), a.out)
+        return
 
     result = run([int(v) for v in a.rows.split(",")], [int(v) for v in a.splits.split(",")],
                  [int(v) for v in a.warps.split(",")], [v for v in a.variants.split(",") if v],

@@ -38,11 +38,10 @@ import torch
 
 from qerl.quant import ptx
 from qerl.quant.kernels import _fp8_capable
-from qerl.quant.tiling import no_empty_splits, target_programs
 
 CHUNK = 128  # weights per row per chunk
-MAX_ROWS = 8
-WARPS = 4
+MAX_ROWS = 16
+MAX_WARPS = 16  # the kernels' __launch_bounds__ (32 x MAX_WARPS threads)
 
 DEVICE_COMMON = r"""#include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -97,34 +96,41 @@ __device__ __forceinline__ void mma16816(float *c, uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+template <int NT>
 struct Chunk {
   uint4 wa, wb;
   uint16_t sa, sb;
-  uint4 x[4];
+  uint4 x[NT][4];
 };
 
 // chunk c (128 weights per row) of rows g and g + 8 for lane (g, t): 16 B of each row, its two group scales and
-// 32 bf16 of x row g (zeros past M). TILED: W re-laid out as [N / 16][K / 128][16 rows][64 B] (qerl.bench.cuda_gemv).
-template <bool TILED>
-__device__ __forceinline__ void load_chunk(Chunk &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
-                                           const uint8_t *sg8, const __nv_bfloat16 *xg, bool xok, int c, int t) {
+// 32 bf16 of x rows nt * 8 + g (zeros past M). TILED: W re-laid out as [N / 16][K / 128][16 rows][64 B]
+// (qerl.bench.cuda_gemv).
+template <bool TILED, int NT>
+__device__ __forceinline__ void load_chunk(Chunk<NT> &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
+                                           const uint8_t *sg8, const __nv_bfloat16 *const *xg, const bool *xok,
+                                           int c, int t) {
   const int kb = TILED ? c * 1024 + 16 * t : c * 64 + 16 * t;
   ch.wa = __ldg(reinterpret_cast<const uint4 *>(wg + kb));
   ch.wb = __ldg(reinterpret_cast<const uint4 *>(wg8 + kb));
   const int gi = c * 8 + 2 * t;
   ch.sa = __ldg(reinterpret_cast<const unsigned short *>(sg + gi));
   ch.sb = __ldg(reinterpret_cast<const unsigned short *>(sg8 + gi));
-  if (xok) {
-    const uint4 *xp = reinterpret_cast<const uint4 *>(xg + c * 128 + 32 * t);
 #pragma unroll
-    for (int i = 0; i < 4; i++) ch.x[i] = __ldg(xp + i);
-  } else {
+  for (int nt = 0; nt < NT; nt++) {
+    if (xok[nt]) {
+      const uint4 *xp = reinterpret_cast<const uint4 *>(xg[nt] + c * 128 + 32 * t);
 #pragma unroll
-    for (int i = 0; i < 4; i++) ch.x[i] = make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < 4; i++) ch.x[nt][i] = __ldg(xp + i);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; i++) ch.x[nt][i] = make_uint4(0, 0, 0, 0);
+    }
   }
 }
 
-__device__ __forceinline__ void compute_chunk(const Chunk &ch, float *acc) {
+template <int NT>
+__device__ __forceinline__ void compute_chunk(const Chunk<NT> &ch, float (*acc)[4]) {
   uint32_t A[4][4], B[4][4];
   const uint32_t wa[4] = {ch.wa.x, ch.wa.y, ch.wa.z, ch.wa.w};
   const uint32_t wb[4] = {ch.wb.x, ch.wb.y, ch.wb.z, ch.wb.w};
@@ -135,20 +141,22 @@ __device__ __forceinline__ void compute_chunk(const Chunk &ch, float *acc) {
     decode8(wa[i], i < 2 ? sa0 : sa1, A[i][0], A[i][1], A[i][2], A[i][3]);
     decode8(wb[i], i < 2 ? sb0 : sb1, B[i][0], B[i][1], B[i][2], B[i][3]);
   }
-  const uint32_t *xr = reinterpret_cast<const uint32_t *>(ch.x);
 #pragma unroll
-  for (int j = 0; j < 8; j++) {
-    const int i = j / 2, p = (j % 2) * 2;
-    mma16816(acc, A[i][p], B[i][p], A[i][p + 1], B[i][p + 1], xr[2 * j], xr[2 * j + 1]);
+  for (int nt = 0; nt < NT; nt++) {
+    const uint32_t *xr = reinterpret_cast<const uint32_t *>(ch.x[nt]);
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      const int i = j / 2, p = (j % 2) * 2;
+      mma16816(acc[nt], A[i][p], B[i][p], A[i][p + 1], B[i][p + 1], xr[2 * j], xr[2 * j + 1]);
+    }
   }
 }
 
-
-// the warp's 16 x 8 fp32 tile over chunks [c0, c1): rows r0 + g and r0 + g + 8 (rows past N read row N - 1, never
-// stored), x rows g < M (zeros past M). Fragment: acc[0], acc[1] = (row r0 + g, m 2t, 2t + 1); acc[2], acc[3] =
-// (row r0 + g + 8, same m). The next chunk's loads are in flight while one is computed.
-template <bool TILED>
-__device__ __forceinline__ void accumulate(float *acc, const uint8_t *wp, const uint8_t *ws,
+// the warp's 16 x (8 NT) fp32 tile over chunks [c0, c1): rows r0 + g and r0 + g + 8 (rows past N read row N - 1,
+// never stored), x rows nt * 8 + g < M (zeros past M). Fragment acc[nt]: [0], [1] = (row r0 + g, m = 8 nt + 2t,
+// 2t + 1); [2], [3] = (row r0 + g + 8, same m). The next chunk's loads are in flight while one is computed.
+template <bool TILED, int NT>
+__device__ __forceinline__ void accumulate(float (*acc)[4], const uint8_t *wp, const uint8_t *ws,
                                            const __nv_bfloat16 *x, int sxm, int M, int N, int K, int rb, int c0,
                                            int c1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r0 = rb * 16;
@@ -157,93 +165,154 @@ __device__ __forceinline__ void accumulate(float *acc, const uint8_t *wp, const 
   const uint8_t *wg = TILED ? wp + (size_t)rb * 16 * kh + g * 64 : wp + (size_t)rg * kh;
   const uint8_t *wg8 = TILED ? wg + 8 * 64 : wp + (size_t)rg8 * kh;
   const uint8_t *sg = ws + (size_t)rg * kg, *sg8 = ws + (size_t)rg8 * kg;
-  const bool xok = g < M;
-  const __nv_bfloat16 *xg = x + (size_t)(xok ? g : 0) * sxm;
-  Chunk ca, cb;
-  if (c0 < c1) load_chunk<TILED>(ca, wg, wg8, sg, sg8, xg, xok, c0, t);
+  bool xok[NT];
+  const __nv_bfloat16 *xg[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+    xok[nt] = nt * 8 + g < M;
+    xg[nt] = x + (size_t)(xok[nt] ? nt * 8 + g : 0) * sxm;
+  }
+  Chunk<NT> ca, cb;
+  if (c0 < c1) load_chunk<TILED, NT>(ca, wg, wg8, sg, sg8, xg, xok, c0, t);
   for (int c = c0; c < c1; c += 2) {
-    if (c + 1 < c1) load_chunk<TILED>(cb, wg, wg8, sg, sg8, xg, xok, c + 1, t);
-    compute_chunk(ca, acc);
+    if (c + 1 < c1) load_chunk<TILED, NT>(cb, wg, wg8, sg, sg8, xg, xok, c + 1, t);
+    compute_chunk<NT>(ca, acc);
     if (c + 1 < c1) {
-      if (c + 2 < c1) load_chunk<TILED>(ca, wg, wg8, sg, sg8, xg, xok, c + 2, t);
-      compute_chunk(cb, acc);
+      if (c + 2 < c1) load_chunk<TILED, NT>(ca, wg, wg8, sg, sg8, xg, xok, c + 2, t);
+      compute_chunk<NT>(cb, acc);
     }
   }
 }
 """
 
 SOURCE = DEVICE_COMMON + r"""
-// output (m, row) = sum * 128 / global_scale[seg] + bias[row] + lora_scale * xa[m, seg] . lb[row]
-__device__ __forceinline__ void finish(float v, int m, int row, int M, int N, int N1, int N2, const float *gs,
-                                       const __nv_bfloat16 *bias, const __nv_bfloat16 *xa, int sxa,
-                                       const __nv_bfloat16 *lb, int slb, int R, float lora_scale,
-                                       __nv_bfloat16 *out, int som) {
-  if (m >= M || row >= N) return;
-  const int seg = (row >= N1) + (row >= N2);
-  float y = v * (128.0f / gs[seg]);
-  if (bias) y += __bfloat162float(bias[row]);
-  if (xa) {
-    float l = 0.f;
-    const __nv_bfloat16 *a = xa + (size_t)m * sxa + seg * R, *b = lb + (size_t)row * slb;
-    int j = 0;
-    if ((R & 7) == 0 && (sxa & 7) == 0 && (slb & 7) == 0) {  // 8 bf16 per 16-byte load
-      for (; j < R; j += 8) {
-        const uint4 av = __ldg(reinterpret_cast<const uint4 *>(a + j));
-        const uint4 bv = __ldg(reinterpret_cast<const uint4 *>(b + j));
-        const __nv_bfloat162 *a2 = reinterpret_cast<const __nv_bfloat162 *>(&av);
-        const __nv_bfloat162 *b2 = reinterpret_cast<const __nv_bfloat162 *>(&bv);
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-          const float2 af = __bfloat1622float2(a2[q]), bf = __bfloat1622float2(b2[q]);
-          l += af.x * bf.x + af.y * bf.y;
-        }
-      }
-    }
-    for (; j < R; j++) l += __bfloat162float(a[j]) * __bfloat162float(b[j]);
-    y += lora_scale * l;
-  }
-  out[(size_t)m * som + row] = __float2bfloat16_rn(y);
+#define MAX_WARPS 16
+
+__device__ __forceinline__ uint32_t bf16_pair(const __nv_bfloat16 *p, int k, int R, bool ok) {
+  // (p[k], p[k + 1]) as one bf16x2 register, zeros past R or when !ok
+  const uint32_t lo = ok && k < R ? (uint32_t)(*reinterpret_cast<const uint16_t *>(p + k)) : 0u;
+  const uint32_t hi = ok && k + 1 < R ? (uint32_t)(*reinterpret_cast<const uint16_t *>(p + k + 1)) : 0u;
+  return lo | (hi << 16);
 }
 
-extern "C" __global__ void __launch_bounds__(128) fp4_mm_m8(
-    const uint8_t *__restrict__ wp, const uint8_t *__restrict__ ws, const float *__restrict__ gs,
-    const __nv_bfloat16 *__restrict__ x, int sxm, __nv_bfloat16 *__restrict__ out, int som, float *part, int *cnt,
-    const __nv_bfloat16 *__restrict__ bias, const __nv_bfloat16 *__restrict__ xa, int sxa,
-    const __nv_bfloat16 *__restrict__ lb, int slb, float lora_scale, int M, int N, int K, int N1, int N2, int R,
-    int chunks_per_split, int splits) {
+// lo[nt] += lb[r0 .. r0 + 16, :R] @ xa[nt * 8 .. + 8, seg * R .. + R].T in the accumulator's fragment layout
+template <int NT>
+__device__ __forceinline__ void lora_tile(float (*lo)[4], const __nv_bfloat16 *xa, int sxa, const __nv_bfloat16 *lb,
+                                          int slb, int R, int seg, int r0, int M, int N) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int rb = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), r0 = rb * 16;
-  if (r0 >= N) return;
-  const int c0 = blockIdx.y * chunks_per_split, c1 = min(c0 + chunks_per_split, K / 128);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  accumulate<false>(acc, wp, ws, x, sxm, M, N, K, rb, c0, c1);
-  const int rows[4] = {r0 + g, r0 + g, r0 + g + 8, r0 + g + 8};
-  const int ms[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
-  if (splits > 1) {
+  const __nv_bfloat16 *la = lb + (size_t)r0 * slb;
+  const bool ok0 = r0 + g < N, ok8 = r0 + g + 8 < N;
+  for (int kk = 0; kk < R; kk += 16) {
+    const uint32_t a0 = bf16_pair(la + (size_t)g * slb, kk + 2 * t, R, ok0);
+    const uint32_t a1 = bf16_pair(la + (size_t)(g + 8) * slb, kk + 2 * t, R, ok8);
+    const uint32_t a2 = bf16_pair(la + (size_t)g * slb, kk + 2 * t + 8, R, ok0);
+    const uint32_t a3 = bf16_pair(la + (size_t)(g + 8) * slb, kk + 2 * t + 8, R, ok8);
 #pragma unroll
-    for (int i = 0; i < 4; i++)
-      if (ms[i] < M && rows[i] < N) atomicAdd(part + (size_t)ms[i] * N + rows[i], acc[i]);
-    __threadfence();
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) last = atomicAdd(cnt + rb, 1) == splits - 1;
-    last = __shfl_sync(0xffffffffu, last, 0);
-    if (!last) return;
-    __threadfence();
+    for (int nt = 0; nt < NT; nt++) {
+      const int m = nt * 8 + g;
+      const __nv_bfloat16 *xr = xa + (size_t)(m < M ? m : 0) * sxa + seg * R;
+      mma16816(lo[nt], a0, a1, a2, a3, bf16_pair(xr, kk + 2 * t, R, m < M), bf16_pair(xr, kk + 2 * t + 8, R, m < M));
+    }
+  }
+}
+
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ float ld_cluster(const float *p, int rank) {  // p in CTA `rank`'s shared memory
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(p), r;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(r) : "memory");
+  return v;
+}
+
+// One 16-row block of y = x @ deq(W).T per cluster of S CTAs (cluster rank = blockIdx.x % S); its K chunks are
+// split over the S x W warps (W = blockDim.x / 32). Partial tiles are summed in shared memory, across the cluster
+// through distributed shared memory; warp 0 of rank 0 applies 128 / global_scale[seg], bias and
+// lora_scale * xa[m, seg] . lb[row] (one more mma per 16 of R) and stores bf16. No workspace, no atomics.
+template <int NT, int S>
+__device__ __forceinline__ void fp4_mm_body(
+    const uint8_t *__restrict__ wp, const uint8_t *__restrict__ ws, const float *__restrict__ gs,
+    const __nv_bfloat16 *__restrict__ x, int sxm, __nv_bfloat16 *__restrict__ out, int som,
+    const __nv_bfloat16 *__restrict__ bias, const __nv_bfloat16 *__restrict__ xa, int sxa,
+    const __nv_bfloat16 *__restrict__ lb, int slb, float lora_scale, int M, int N, int K, int N1, int N2, int R) {
+  __shared__ float red[MAX_WARPS][NT * 4][32];
+  const int warp = threadIdx.x >> 5, W = blockDim.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int rank = blockIdx.x % S, rb = blockIdx.x / S, r0 = rb * 16;
+  const int C = K / 128, P = S * W, p = rank * W + warp;
+  float acc[NT][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-      if (ms[i] < M && rows[i] < N) {
-        float *p = part + (size_t)ms[i] * N + rows[i];
-        acc[i] = __ldcg(p);
-        *p = 0.f;  // left at zero for the next launch
+  for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  accumulate<false, NT>(acc, wp, ws, x, sxm, M, N, K, rb, C * p / P, C * (p + 1) / P);
+  if (W > 1) {
+    if (warp > 0) {
+#pragma unroll
+      for (int i = 0; i < NT * 4; i++) red[warp][i][lane] = acc[i / 4][i % 4];
+    }
+    __syncthreads();
+    if (warp == 0) {
+      for (int w = 1; w < W; w++) {
+#pragma unroll
+        for (int i = 0; i < NT * 4; i++) acc[i / 4][i % 4] += red[w][i][lane];
       }
     }
-    if (lane == 0) cnt[rb] = 0;
   }
+  if (S > 1) {
+    if (warp == 0) {
 #pragma unroll
-  for (int i = 0; i < 4; i++)
-    finish(acc[i], ms[i], rows[i], M, N, N1, N2, gs, bias, xa, sxa, lb, slb, R, lora_scale, out, som);
+      for (int i = 0; i < NT * 4; i++) red[0][i][lane] = acc[i / 4][i % 4];
+    }
+    cluster_sync_all();  // every rank's block sum is in its red[0]
+    if (rank == 0 && warp == 0) {
+      for (int q = 1; q < S; q++) {
+#pragma unroll
+        for (int i = 0; i < NT * 4; i++) acc[i / 4][i % 4] += ld_cluster(&red[0][i][lane], q);
+      }
+    }
+    cluster_sync_all();  // rank 0 has read them: the others may exit
+  }
+  if (rank != 0 || warp != 0) return;
+  const int seg = (r0 >= N1) + (r0 >= N2);  // segment bounds are multiples of 16
+  const float sc = 128.0f / gs[seg];
+  float lo[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) lo[nt][0] = lo[nt][1] = lo[nt][2] = lo[nt][3] = 0.f;
+  if (xa) lora_tile<NT>(lo, xa, sxa, lb, slb, R, seg, r0, M, N);
+#pragma unroll
+  for (int i = 0; i < NT * 4; i++) {
+    const int nt = i / 4, j = i % 4;
+    const int row = r0 + g + (j >= 2 ? 8 : 0), m = nt * 8 + 2 * t + (j & 1);
+    if (m < M && row < N) {
+      float y = acc[nt][j] * sc + lora_scale * lo[nt][j];
+      if (bias) y += __bfloat162float(bias[row]);
+      out[(size_t)m * som + row] = __float2bfloat16_rn(y);
+    }
+  }
 }
+
+#define FP4_MM_ARGS                                                                                              \
+  const uint8_t *__restrict__ wp, const uint8_t *__restrict__ ws, const float *__restrict__ gs,                 \
+      const __nv_bfloat16 *__restrict__ x, int sxm, __nv_bfloat16 *__restrict__ out, int som,                  \
+      const __nv_bfloat16 *__restrict__ bias, const __nv_bfloat16 *__restrict__ xa, int sxa,                   \
+      const __nv_bfloat16 *__restrict__ lb, int slb, float lora_scale, int M, int N, int K, int N1, int N2, int R
+#define FP4_MM_PASS wp, ws, gs, x, sxm, out, som, bias, xa, sxa, lb, slb, lora_scale, M, N, K, N1, N2, R
+#define FP4_MM_KERNEL(NT, S, ATTR)                                                                              \
+  extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS) ATTR fp4_mm_n##NT##_s##S(FP4_MM_ARGS) {        \
+    fp4_mm_body<NT, S>(FP4_MM_PASS);                                                                           \
+  }
+
+FP4_MM_KERNEL(1, 1, )
+FP4_MM_KERNEL(2, 1, )
+#ifdef QERL_CLUSTERS
+FP4_MM_KERNEL(1, 2, __cluster_dims__(2, 1, 1))
+FP4_MM_KERNEL(1, 4, __cluster_dims__(4, 1, 1))
+FP4_MM_KERNEL(1, 8, __cluster_dims__(8, 1, 1))
+FP4_MM_KERNEL(2, 2, __cluster_dims__(2, 1, 1))
+FP4_MM_KERNEL(2, 4, __cluster_dims__(4, 1, 1))
+FP4_MM_KERNEL(2, 8, __cluster_dims__(8, 1, 1))
+#endif
 """
 
 
@@ -332,6 +401,14 @@ class CudaModule:
         if code:
             raise RuntimeError(f"{what} returned CUDA error {code}")
 
+    def occupancy(self, name: str, block: int) -> int:
+        """Resident CTAs per SM of kernel `name` at `block` threads (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
+        n = ctypes.c_int()
+        self._check(self._cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self.functions[name],
+                                                                           block, ctypes.c_size_t(0)),
+                    f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
+        return n.value
+
     def launch(self, name: str, grid: tuple[int, int], block: int, args: list) -> None:
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
         self._check(self._cuda.cuLaunchKernel(self.functions[name], grid[0], grid[1], 1, block, 1, 1, 0,
@@ -344,14 +421,25 @@ def enabled() -> bool:
     return os.environ.get("QERL_FP4_CUDA", "0") == "1"
 
 
+CLUSTER_SIZES = (1, 2, 4, 8)
+WARP_CHOICES = tuple(range(1, MAX_WARPS + 1))
+
+
 @functools.cache
 def _module(device_index: int) -> CudaModule:
     major, minor = torch.cuda.get_device_capability(device_index)
-    return CudaModule(compile_cubin(SOURCE, f"sm_{major}{minor}"), ["fp4_mm_m8"])
+    clusters = major >= 9  # thread-block clusters and distributed shared memory: Hopper on
+    names = [kernel_name(nt, s) for nt in (1, 2) for s in (CLUSTER_SIZES if clusters else (1,))]
+    source = ("#define QERL_CLUSTERS 1\n" if clusters else "") + SOURCE
+    return CudaModule(compile_cubin(source, f"sm_{major}{minor}"), names)
+
+
+def kernel_name(n_tiles: int, cluster: int) -> str:
+    return f"fp4_mm_n{n_tiles}_s{cluster}"
 
 
 def supports(x2: torch.Tensor, weight_packed: torch.Tensor, n: int, k: int, n1: int, n2: int) -> bool:
-    """Inside the kernel's envelope (else the Triton kernel runs): bf16 x of 1..8 rows, K % 128, N and segment
+    """Inside the kernel's envelope (else the Triton kernel runs): bf16 x of 1..16 rows, K % 128, N and segment
     bounds % 16, 16-byte aligned rows, sm_89+."""
     return (x2.is_cuda and x2.dtype == torch.bfloat16 and 0 < x2.shape[0] <= MAX_ROWS and k % CHUNK == 0
             and n % 16 == 0 and n1 % 16 == 0 and n2 % 16 == 0 and x2.stride(1) == 1 and x2.stride(0) % 8 == 0
@@ -359,43 +447,63 @@ def supports(x2: torch.Tensor, weight_packed: torch.Tensor, n: int, k: int, n1: 
             and _fp8_capable(x2.device.index if x2.device.index is not None else torch.cuda.current_device()))
 
 
-_WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+def model_time(n: int, k: int, cluster: int, warps: int, sms: int, ctas_per_sm: int,
+               step_over_latency: float = 0.064) -> float:
+    """Modelled time, in units of one load latency, of one (cluster, warps) launch: the busiest SM runs
+    ceil(ctas / sms) CTAs of `warps` warps, each warp ceil(chunks / (cluster x warps)) chunk steps; a step costs
+    max(latency / warps in flight, step_over_latency) (latency bound below ~16 warps per SM, bandwidth bound
+    above: 1 KiB of weights per warp step against an H100 SM's ~23 GB/s share of ~0.7 us), plus one latency per
+    wave for the pipeline fill and the reductions (1.5 with a cluster barrier)."""
+    chunks, blocks = k // CHUNK, n // 16
+    steps = math.ceil(chunks / (cluster * warps))
+    per_sm = math.ceil(blocks * cluster / sms)
+    waves = math.ceil(per_sm / ctas_per_sm)
+    in_flight = min(ctas_per_sm, per_sm) * warps
+    return per_sm * warps * steps * max(1.0 / in_flight, step_over_latency) + waves * (1.0 + 0.5 * (cluster > 1))
 
 
-def _workspace(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 partial sums (MAX_ROWS x n) and per-16-row counters, both left at zero by every launch; one set per
-    (device, stream). Warm a shape up before CUDA-graph capture so no allocation is captured."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(),
-           torch.cuda.current_stream(device).cuda_stream)
-    part, cnt = _WORKSPACES.get(key, (None, None))
-    if part is None or part.numel() < MAX_ROWS * n:
-        part = torch.zeros(max(MAX_ROWS * n, 1 << 16), dtype=torch.float32, device=device)
-    if cnt is None or cnt.numel() < n // 16:
-        cnt = torch.zeros(max(n // 16, 4096), dtype=torch.int32, device=device)
-    _WORKSPACES[key] = (part, cnt)
-    return part, cnt
-
-
-def pick_splits(n: int, k: int, device: torch.device) -> int:
-    """K splits for ~64 warps of work per SM, at least 2 chunks each, at most 16 (the prototype's best on an H100:
-    7B gate/up 7, down 14, q/o 14)."""
+def candidate_configs(k: int, clusters: bool) -> list[tuple[int, int]]:
+    """(cluster, warps) with at least two chunks of 128 per warp (one warp when K has fewer)."""
     chunks = k // CHUNK
-    want = math.ceil(32 * target_programs(device) / max(1, n // 16))  # target_programs = 2 per SM
-    return no_empty_splits(max(1, min(want, chunks // 2, 16)), chunks)
+    return [(s, w) for s in (CLUSTER_SIZES if clusters else (1,)) for w in WARP_CHOICES
+            if s * w == 1 or chunks >= 2 * s * w]
+
+
+def pick_config(n: int, k: int, sms: int, occupancy, clusters: bool) -> tuple[int, int]:
+    """The (cluster, warps) of least `model_time`; occupancy(warps) = resident CTAs per SM."""
+    return min(candidate_configs(k, clusters),
+               key=lambda c: (model_time(n, k, c[0], c[1], sms, max(1, occupancy(c[1]))), c[0], c[1]))
+
+
+def _n_tiles(m: int) -> int:
+    return 1 if m <= 8 else 2
+
+
+@functools.cache
+def _occupancy(device_index: int, name: str, warps: int) -> int:
+    return _module(device_index).occupancy(name, 32 * warps)
+
+
+@functools.cache
+def _config(device_index: int, m_tiles: int, n: int, k: int) -> tuple[int, int]:
+    major, _ = torch.cuda.get_device_capability(device_index)
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    name = kernel_name(m_tiles, 1)
+    return pick_config(n, k, sms, lambda w: _occupancy(device_index, name, w), clusters=major >= 9)
 
 
 def fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b, lora_scale: float,
-                    n1: int, n2: int, splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    n1: int, n2: int, config: tuple[int, int] | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) bf16 x -> (M, N) bf16 (into `out` when given, contiguous); xa (M, segments * R) and lora_b (N, R) as
-    from triton_fp4._lora_operands."""
+    from triton_fp4._lora_operands. config: (cluster size, warps per CTA), default `pick_config`."""
     m, k = x2.shape
     n = weight_packed.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x2.device)
-    chunks = k // CHUNK
-    splits = no_empty_splits(splits, chunks) if splits else pick_splits(n, k, x2.device)
-    per_split = math.ceil(chunks / splits)
-    part, cnt = _workspace(x2.device, n)
+    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    nt = _n_tiles(m)
+    cluster, warps = config or _config(dev, nt, n, k)
     wp = weight_packed.contiguous()
     ws = weight_scale.contiguous().view(torch.uint8)
     gs = weight_global_scale.reshape(-1).to(torch.float32).contiguous()
@@ -404,14 +512,12 @@ def fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, 
     lb = None if lora_b is None else lora_b.contiguous()
     args = [ctypes.c_void_p(wp.data_ptr()), ctypes.c_void_p(ws.data_ptr()), ctypes.c_void_p(gs.data_ptr()),
             ctypes.c_void_p(x2.data_ptr()), ctypes.c_int(x2.stride(0)), ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_int(out.stride(0)), ctypes.c_void_p(part.data_ptr()), ctypes.c_void_p(cnt.data_ptr()),
-            ctypes.c_void_p(0 if b is None else b.data_ptr()),
+            ctypes.c_int(out.stride(0)), ctypes.c_void_p(0 if b is None else b.data_ptr()),
             ctypes.c_void_p(0 if xa is None else xa.data_ptr()), ctypes.c_int(0 if xa is None else xa.stride(0)),
             ctypes.c_void_p(0 if lb is None else lb.data_ptr()), ctypes.c_int(0 if lb is None else lb.stride(0)),
             ctypes.c_float(lora_scale), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(n1),
-            ctypes.c_int(n2), ctypes.c_int(r), ctypes.c_int(per_split), ctypes.c_int(splits)]
-    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    _module(dev).launch("fp4_mm_m8", (math.ceil(n / (16 * WARPS)), splits), 32 * WARPS, args)
+            ctypes.c_int(n2), ctypes.c_int(r)]
+    _module(dev).launch(kernel_name(nt, cluster), (n // 16 * cluster, 1), 32 * warps, args)
     return out
 
 
