@@ -24,8 +24,10 @@ Every timed configuration is first checked against the float64 reference.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import itertools
+import os
 from pathlib import Path
 
 import torch
@@ -243,14 +245,30 @@ def run(rows_m: list[int], splits_list: list[int], warps_list: list[int], varian
     return result
 
 
-LAYER_SHAPES = {"7B": [("q|k|v", 4608, 3584), ("o", 3584, 3584), ("gate|up", 37888, 3584), ("down", 3584, 18944)],
-                "32B": [("q|k|v", 7168, 5120), ("o", 5120, 5120), ("gate|up", 55296, 5120),
-                        ("down", 5120, 27648)]}
+LAYER_SHAPES = {  # (layer, N, K, stacked segments along N)
+    "7B": [("q|k|v", 4608, 3584, (3584, 512, 512)), ("o", 3584, 3584, (3584,)),
+           ("gate|up", 37888, 3584, (18944, 18944)), ("down", 3584, 18944, (3584,))],
+    "32B": [("q|k|v", 7168, 5120, (5120, 1024, 1024)), ("o", 5120, 5120, (5120,)),
+            ("gate|up", 55296, 5120, (27648, 27648)), ("down", 5120, 27648, (5120,))]}
 
 
-def run_wired(models: list[str], rows_m: list[int], warps_list: list[int]) -> dict:
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def run_wired(models: list[str], rows_m: list[int], warps_list: list[int], lora_rank: int = 16) -> dict:
     """qerl.quant.cuda_fp4 (the wired-in kernel) per decoder-layer shape: its chosen (cluster, warps), every other
-    candidate with warps in `warps_list`, the Triton kernel and bf16 torch.matmul, all in one process."""
+    candidate with warps in `warps_list`, the Triton kernel and bf16 torch.matmul, all in one process; and the
+    whole fp4_matmul_triton call with bias and a rank-`lora_rank` LoRA (x @ A.T included) on either kernel."""
     from qerl.bench.kernels import _copies, _environment, _fp4_weights, fp4_reference, graph_time_us
     from qerl.bench.kernels import measure_ceilings
     from qerl.quant import triton_fp4 as tf
@@ -259,8 +277,12 @@ def run_wired(models: list[str], rows_m: list[int], warps_list: list[int]) -> di
     clusters = torch.cuda.get_device_capability(dev)[0] >= 9
     result = {**_environment(), "ceilings": measure_ceilings(), "rows": []}
     for model in models:
-        for layer, n, k in LAYER_SHAPES[model]:
+        for layer, n, k, segments in LAYER_SHAPES[model]:
             fp4 = _fp4_weights(n, k, _copies(n * k // 2 + n * k // 16), 0)
+            gs = fp4[0][2].reshape(1).repeat(len(segments))
+            lora_a = torch.randn(len(segments) * lora_rank, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+            lora_b = torch.randn(n, lora_rank, device="cuda", dtype=torch.bfloat16)
+            bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
             nb = _copies(2 * n * k)
             wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
             for m in rows_m:
@@ -283,6 +305,12 @@ def run_wired(models: list[str], rows_m: list[int], warps_list: list[int]) -> di
                         raise RuntimeError(f"{layer} M={m} config {cfg}: rel. error {err:.2e}")
                     row["configs"].append({"cluster": cfg[0], "warps": cfg[1], "us": graph_time_us(call, len(fp4)),
                                            "err": err})
+                for mode, path in (("triton", "fused"), ("cuda", "auto")):  # LoRA + bias, the whole call
+                    with _env("QERL_FP4_CUDA", "1"):
+                        row[f"lora_{mode}_us"] = graph_time_us(
+                            lambda i, path=path: tf.fp4_matmul_triton(
+                                x, fp4[i][0], fp4[i][1], gs, bias, lora_a, lora_b, 0.5,
+                                segments=list(segments), path=path), len(fp4))
                 best = min(row["configs"], key=lambda c: c["us"])
                 row["chosen_us"] = next(c["us"] for c in row["configs"]
                                         if (c["cluster"], c["warps"]) == tuple(chosen))
@@ -291,27 +319,30 @@ def run_wired(models: list[str], rows_m: list[int], warps_list: list[int]) -> di
                 result["rows"].append(row)
                 print(f"{model} {layer} M={m}: bf16 {row['bf16_us']:.1f} triton {row['triton_us']:.1f} CUDA chosen "
                       f"{tuple(chosen)} {row['chosen_us']:.1f}, best {tuple(row['best'])} {best['us']:.1f}, "
-                      f"floor {row['floor_us']:.1f} us", flush=True)
+                      f"floor {row['floor_us']:.1f} us; with LoRA: triton {row['lora_triton_us']:.1f} CUDA "
+                      f"{row['lora_cuda_us']:.1f}", flush=True)
             del wb, fp4
     return result
 
 
 def wired_markdown(result: dict) -> str:
     lines = ["| model | layer | N x K | M | floor us | bf16 us | Triton us | CUDA us (cluster, warps) | best us "
-             "(cluster, warps) | CUDA vs Triton | CUDA vs bf16 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(cluster, warps) | CUDA vs Triton | CUDA vs bf16 | LoRA call: Triton us | LoRA call: CUDA us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     totals: dict = {}
     for r in result["rows"]:
         layer = r["layer"].replace("|", "\\|")
         lines.append(f"| {r['model']} | {layer} | {r['N']} x {r['K']} | {r['M']} | {r['floor_us']:.1f} | "
                      f"{r['bf16_us']:.1f} | {r['triton_us']:.1f} | {r['chosen_us']:.1f} {tuple(r['chosen'])} | "
                      f"{r['best_us']:.1f} {tuple(r['best'])} | {r['triton_us'] / r['chosen_us']:.2f}x | "
-                     f"{r['bf16_us'] / r['chosen_us']:.2f}x |")
-        t = totals.setdefault((r["model"], r["M"]), [0.0, 0.0, 0.0, 0.0, 0.0])
-        for i, key in enumerate(("floor_us", "bf16_us", "triton_us", "chosen_us", "best_us")):
+                     f"{r['bf16_us'] / r['chosen_us']:.2f}x | {r['lora_triton_us']:.1f} | {r['lora_cuda_us']:.1f} |")
+        keys = ("floor_us", "bf16_us", "triton_us", "chosen_us", "best_us", "lora_triton_us", "lora_cuda_us")
+        t = totals.setdefault((r["model"], r["M"]), [0.0] * len(keys))
+        for i, key in enumerate(keys):
             t[i] += r[key]
     for (model, m), t in totals.items():
         lines.append(f"| {model} | **layer** | | {m} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {t[3]:.1f} | {t[4]:.1f} |"
-                     f" {t[2] / t[3]:.2f}x | {t[1] / t[3]:.2f}x |")
+                     f" {t[2] / t[3]:.2f}x | {t[1] / t[3]:.2f}x | {t[5]:.1f} | {t[6]:.1f} |")
     return "\n".join(lines)
 
 

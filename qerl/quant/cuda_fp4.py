@@ -32,6 +32,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,7 +41,8 @@ from qerl.quant import ptx
 from qerl.quant.kernels import _fp8_capable
 
 CHUNK = 128  # weights per row per chunk
-MAX_ROWS = 16
+MAX_ROWS = 16  # the kernels' limit (two 8-row MMA tiles)
+AUTO_ROWS = 8  # default-on limit: at 9-16 rows the two-tile kernel lost to Triton (session 7)
 MAX_WARPS = 16  # the kernels' __launch_bounds__ (32 x MAX_WARPS threads)
 
 DEVICE_COMMON = r"""#include <cuda_bf16.h>
@@ -416,9 +418,18 @@ class CudaModule:
                                               None), f"cuLaunchKernel({name})")
 
 
+def mode() -> str:
+    """QERL_FP4_CUDA: "auto" (default; rows <= AUTO_ROWS on sm_90+, where it was measured faster than Triton,
+    falling back to Triton with one warning when no compiler is found), "1" (rows <= MAX_ROWS on sm_89+, build
+    errors raise), "0" (off: the Triton kernel)."""
+    value = os.environ.get("QERL_FP4_CUDA", "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"QERL_FP4_CUDA: expected auto, 0 or 1, got {value!r}")
+    return value
+
+
 def enabled() -> bool:
-    """QERL_FP4_CUDA=1 turns the CUDA few-row path on (default off: the Triton kernel)."""
-    return os.environ.get("QERL_FP4_CUDA", "0") == "1"
+    return mode() != "0"
 
 
 CLUSTER_SIZES = (1, 2, 4, 8)
@@ -439,34 +450,70 @@ def kernel_name(n_tiles: int, cluster: int) -> str:
 
 
 def supports(x2: torch.Tensor, weight_packed: torch.Tensor, n: int, k: int, n1: int, n2: int) -> bool:
-    """Inside the kernel's envelope (else the Triton kernel runs): bf16 x of 1..16 rows, K % 128, N and segment
-    bounds % 16, 16-byte aligned rows, sm_89+."""
-    return (x2.is_cuda and x2.dtype == torch.bfloat16 and 0 < x2.shape[0] <= MAX_ROWS and k % CHUNK == 0
-            and n % 16 == 0 and n1 % 16 == 0 and n2 % 16 == 0 and x2.stride(1) == 1 and x2.stride(0) % 8 == 0
-            and x2.data_ptr() % 16 == 0 and weight_packed.data_ptr() % 16 == 0
-            and _fp8_capable(x2.device.index if x2.device.index is not None else torch.cuda.current_device()))
+    """Inside the kernel's envelope for the current mode (else the Triton kernel runs): bf16 x of 1..AUTO_ROWS
+    rows on sm_90+ ("auto") or 1..MAX_ROWS on sm_89+ ("1"), K % 128, N and segment bounds % 16, 16-byte aligned
+    rows, and a built module."""
+    how = mode()
+    if how == "0" or not (x2.is_cuda and x2.dtype == torch.bfloat16):
+        return False
+    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    rows = AUTO_ROWS if how == "auto" else MAX_ROWS
+    if not (0 < x2.shape[0] <= rows and k % CHUNK == 0 and n % 16 == 0 and n1 % 16 == 0 and n2 % 16 == 0
+            and x2.stride(1) == 1 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0
+            and weight_packed.data_ptr() % 16 == 0 and _fp8_capable(dev)):
+        return False
+    if how == "auto":
+        return _hopper(dev) and _built(dev)
+    return True
+
+
+@functools.cache
+def _hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@functools.cache
+def _built(device_index: int) -> bool:
+    """Whether the module builds on this device; in "auto" mode a failure (no nvcc, no NVRTC) is one warning and
+    the Triton kernel."""
+    try:
+        _module(device_index)
+        return True
+    except RuntimeError as err:
+        warnings.warn(f"qerl.quant.cuda_fp4: {err}; few-row FP4 matmuls stay on Triton (QERL_FP4_CUDA=0 silences "
+                      "this)", stacklevel=3)
+        return False
 
 
 def model_time(n: int, k: int, cluster: int, warps: int, sms: int, ctas_per_sm: int,
-               step_over_latency: float = 0.064) -> float:
-    """Modelled time, in units of one load latency, of one (cluster, warps) launch: the busiest SM runs
-    ceil(ctas / sms) CTAs of `warps` warps, each warp ceil(chunks / (cluster x warps)) chunk steps; a step costs
-    max(latency / warps in flight, step_over_latency) (latency bound below ~16 warps per SM, bandwidth bound
-    above: 1 KiB of weights per warp step against an H100 SM's ~23 GB/s share of ~0.7 us), plus one latency per
-    wave for the pipeline fill and the reductions (1.5 with a cluster barrier)."""
+               step_over_latency: float = 0.08, wave_cost: float = 3.0, cluster_cost: float = 1.0) -> float:
+    """Modelled time, in units of one warp's chunk step when latency bound, of one (cluster, warps) launch: the
+    busiest SM runs ceil(blocks x cluster / sms) CTAs of `warps` warps, each warp ceil(chunks / (cluster x
+    warps)) steps; a step costs max(1 / warps in flight on the SM, step_over_latency) (latency bound below ~12
+    warps per SM, bandwidth bound above), plus `wave_cost` per wave of resident CTAs (pipeline fill, reduction,
+    epilogue) and `cluster_cost` more with a cluster barrier. Constants fitted to the H100 sweep of session 7
+    (`python -m qerl.bench.cuda_gemv --wired`: 7B shapes, M = 1 and 8, rms error ~10%, argmin within 4% of the
+    best measured configuration for every shape)."""
     chunks, blocks = k // CHUNK, n // 16
     steps = math.ceil(chunks / (cluster * warps))
     per_sm = math.ceil(blocks * cluster / sms)
     waves = math.ceil(per_sm / ctas_per_sm)
     in_flight = min(ctas_per_sm, per_sm) * warps
-    return per_sm * warps * steps * max(1.0 / in_flight, step_over_latency) + waves * (1.0 + 0.5 * (cluster > 1))
+    return (per_sm * warps * steps * max(1.0 / in_flight, step_over_latency)
+            + waves * (wave_cost + cluster_cost * (cluster > 1)))
+
+
+MIN_WARPS = 4  # CTAs of 1-2 warps were never the fastest (session 7 sweep: gate|up 54 us with 1 warp, 36 with 4)
 
 
 def candidate_configs(k: int, clusters: bool) -> list[tuple[int, int]]:
-    """(cluster, warps) with at least two chunks of 128 per warp (one warp when K has fewer)."""
+    """(cluster, warps) with at least two chunks of 128 per warp and MIN_WARPS warps per CTA (fewer only when K
+    is too short for that)."""
     chunks = k // CHUNK
-    return [(s, w) for s in (CLUSTER_SIZES if clusters else (1,)) for w in WARP_CHOICES
-            if s * w == 1 or chunks >= 2 * s * w]
+    ok = [(s, w) for s in (CLUSTER_SIZES if clusters else (1,)) for w in WARP_CHOICES
+          if s * w == 1 or chunks >= 2 * s * w]
+    wide = [c for c in ok if c[1] >= MIN_WARPS]
+    return wide or [max(ok, key=lambda c: (c[1], -c[0]))]
 
 
 def pick_config(n: int, k: int, sms: int, occupancy, clusters: bool) -> tuple[int, int]:

@@ -461,8 +461,8 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
     n1, n2 = _segment_bounds(segments, n, weight_global_scale)
     xa, lb = _lora_operands(x2, lora_a, lora_b, n, k, len(segments or [n]))
     r = 0 if lb is None else lb.shape[1]
-    if path == "auto" and config is None and use_asm and cuda_fp4.enabled() and cuda_fp4.supports(
-            x2, weight_packed, n, k, n1, n2):  # opt-in hand-written few-row kernel (QERL_FP4_CUDA=1)
+    if path == "auto" and config is None and use_asm and cuda_fp4.supports(
+            x2, weight_packed, n, k, n1, n2):  # the hand-written few-row kernel (QERL_FP4_CUDA)
         cuda_fp4.fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lb,
                                  float(lora_scale), n1, n2, out=out)
         return out.reshape(*lead, n)

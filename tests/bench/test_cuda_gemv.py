@@ -36,6 +36,19 @@ def test_markdown_ratio():
     assert lines[3].startswith("| gate\\|up | 3584 x 18944 |") and lines[3].count(" | ") == 7
 
 
+def test_wired_markdown_rows_and_layer_totals():
+    def row(layer, n, k, scale):
+        return {"model": "7B", "layer": layer, "N": n, "K": k, "M": 8, "floor_us": 1.0 * scale,
+                "bf16_us": 10.0 * scale, "triton_us": 5.0 * scale, "chosen_us": 4.0 * scale, "chosen": [1, 8],
+                "best_us": 3.0 * scale, "best": [2, 4], "lora_triton_us": 6.0 * scale, "lora_cuda_us": 4.5 * scale}
+
+    lines = cuda_gemv.wired_markdown({"rows": [row("q|k|v", 4608, 3584, 1), row("down", 3584, 18944, 3)]})
+    lines = lines.splitlines()
+    assert lines[2] == ("| 7B | q\\|k\\|v | 4608 x 3584 | 8 | 1.0 | 10.0 | 5.0 | 4.0 (1, 8) | 3.0 (2, 4) | 1.25x | "
+                        "2.50x | 6.0 | 4.5 |")
+    assert lines[4] == "| 7B | **layer** | | 8 | 4.0 | 40.0 | 20.0 | 16.0 | 12.0 | 1.25x | 2.50x | 24.0 | 18.0 |"
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(compiler: str) -> cuda_gemv.CudaGemv:
     major, minor = torch.cuda.get_device_capability()

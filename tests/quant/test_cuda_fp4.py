@@ -13,14 +13,32 @@ HAS_COMPILER = (shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nv
                 or cuda_fp4._find_nvrtc() is not None)
 
 
-def test_off_by_default_and_cpu_outside_the_envelope(monkeypatch):
+def test_modes_and_cpu_outside_the_envelope(monkeypatch):
     monkeypatch.delenv("QERL_FP4_CUDA", raising=False)
+    assert cuda_fp4.mode() == "auto" and cuda_fp4.enabled()
+    monkeypatch.setenv("QERL_FP4_CUDA", "0")
     assert not cuda_fp4.enabled()
+    monkeypatch.setenv("QERL_FP4_CUDA", "yes")
+    with pytest.raises(ValueError, match="QERL_FP4_CUDA"):
+        cuda_fp4.mode()
     monkeypatch.setenv("QERL_FP4_CUDA", "1")
-    assert cuda_fp4.enabled()
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     assert not cuda_fp4.supports(x, torch.zeros(32, 128, dtype=torch.uint8), 32, 256, 32, 32)
-    assert cuda_fp4.MAX_ROWS == 16
+    assert cuda_fp4.AUTO_ROWS <= cuda_fp4.MAX_ROWS == 16
+
+
+def test_auto_mode_warns_once_and_falls_back_when_nothing_builds(monkeypatch):
+    def broken(_device):
+        raise RuntimeError("NVRTC not found")
+
+    monkeypatch.setattr(cuda_fp4, "_module", broken)
+    cuda_fp4._built.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="stay on Triton"):
+            assert cuda_fp4._built(0) is False
+        assert cuda_fp4._built(0) is False  # cached: no second warning, no second build
+    finally:
+        cuda_fp4._built.cache_clear()
 
 
 def test_missing_compilers_are_one_clear_error(tmp_path, monkeypatch):
@@ -162,6 +180,23 @@ def test_cuda_graph_replay_equals_eager(on):
     torch.cuda.synchronize()
     torch.testing.assert_close(static_out, eager, rtol=1e-2, atol=1e-2)
     assert _err(static_out, ref)[0] < 5e-3
+
+
+@gpu
+def test_auto_mode_takes_up_to_8_rows_on_hopper(monkeypatch):
+    from qerl.quant import triton_fp4
+
+    if not HAS_COMPILER or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("auto mode: sm_90+ with nvcc or NVRTC")
+    monkeypatch.delenv("QERL_FP4_CUDA", raising=False)
+    calls = []
+    real = cuda_fp4.fp4_matmul_cuda
+    monkeypatch.setattr(cuda_fp4, "fp4_matmul_cuda",
+                        lambda *aa, **kw: calls.append(aa[0].shape[0]) or real(*aa, **kw))
+    for rows in (8, 9):
+        (x, packed, scale, gs, bias, a, b), ref = _case((96,), rows)
+        assert _err(triton_fp4.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5), ref)[0] < 5e-3
+    assert calls == [8]
 
 
 @gpu
