@@ -387,9 +387,9 @@ def _use_dense(path: str, m: int, config, k_ok: bool = True) -> bool:
     return path == "dense" or (path == "auto" and config is None and (m >= DENSE_MIN_ROWS or not k_ok))
 
 
-def _lora_operands(x2: torch.Tensor, lora_a, lora_b, n: int, k: int, n_segments: int = 1):
-    """(xa = x @ A.T, B) in x's dtype for the fused LoRA epilogue, after checking the adapter shapes (A stacks
-    one (r, K) block per segment)."""
+def _lora_adapter(x2: torch.Tensor, lora_a, lora_b, n: int, k: int, n_segments: int = 1):
+    """(A, B) in x's dtype, B contiguous, after checking the adapter shapes (A stacks one (r, K) block per
+    segment); (None, None) without LoRA."""
     if (lora_a is None) != (lora_b is None):
         raise QerlError("lora_a and lora_b: pass both or neither")
     if lora_a is None:
@@ -398,7 +398,13 @@ def _lora_operands(x2: torch.Tensor, lora_a, lora_b, n: int, k: int, n_segments:
     if lora_a.ndim != 2 or tuple(lora_a.shape) != (n_segments * r, k) or tuple(lora_b.shape) != (n, r):
         raise QerlError(f"lora_a / lora_b: expected ({n_segments} x r, {k}) and ({n}, r), got "
                         f"{tuple(lora_a.shape)} and {tuple(lora_b.shape)}")
-    return small_matmul(x2, lora_a.to(x2.dtype)), lora_b.to(x2.dtype).contiguous()
+    return lora_a.to(x2.dtype), lora_b.to(x2.dtype).contiguous()
+
+
+def _lora_operands(x2: torch.Tensor, lora_a, lora_b, n: int, k: int, n_segments: int = 1):
+    """(xa = x @ A.T, B) in x's dtype for the fused LoRA epilogue (`_lora_adapter` checks the shapes)."""
+    a, b = _lora_adapter(x2, lora_a, lora_b, n, k, n_segments)
+    return (None, None) if a is None else (small_matmul(x2, a), b)
 
 
 def _segment_bounds(segments, n: int, weight_global_scale: torch.Tensor) -> tuple[int, int]:
@@ -459,13 +465,14 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
     if m == 0:
         return out.reshape(*lead, n)
     n1, n2 = _segment_bounds(segments, n, weight_global_scale)
+    if path == "auto" and config is None and use_asm and cuda_fp4.supports(
+            x2, weight_packed, n, k, n1, n2):  # the hand-written few-row kernel (QERL_FP4_CUDA), x @ A.T inside
+        la, lb = _lora_adapter(x2, lora_a, lora_b, n, k, len(segments or [n]))
+        cuda_fp4.fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, None, lb,
+                                 float(lora_scale), n1, n2, out=out, lora_a=la)
+        return out.reshape(*lead, n)
     xa, lb = _lora_operands(x2, lora_a, lora_b, n, k, len(segments or [n]))
     r = 0 if lb is None else lb.shape[1]
-    if path == "auto" and config is None and use_asm and cuda_fp4.supports(
-            x2, weight_packed, n, k, n1, n2):  # the hand-written few-row kernel (QERL_FP4_CUDA)
-        cuda_fp4.fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lb,
-                                 float(lora_scale), n1, n2, out=out)
-        return out.reshape(*lead, n)
     if _use_dense(path, m, config):
         from qerl.quant.triton_dequant import dense_fp4_matmul
 

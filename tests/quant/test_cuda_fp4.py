@@ -153,6 +153,27 @@ def test_every_config_is_exact_and_deterministic(on, config, rows):
 
 
 @gpu
+@pytest.mark.parametrize("rows", [1, 8, 16])
+@pytest.mark.parametrize("config", [(1, 4), (2, 3), (1, 1)])
+def test_lora_a_in_the_same_launch_equals_a_given_xa(on, rows, config):
+    from qerl.quant.triton_fp4 import small_matmul
+
+    if config[0] > 1 and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("clusters need sm_90")
+    sizes = (512, 64, 64)
+    (x, packed, scale, gs, bias, a, b), ref = _case(sizes, rows, k=1024, rank=16)
+    first = cuda_fp4.fp4_matmul_cuda(x, packed, scale, gs, bias, None, b, 0.5, 512, 576, config=config, lora_a=a)
+    assert _err(first, ref)[0] < 5e-3
+    for x_i in (x.flip(0), -x, x):  # each launch must wait for its own x @ A.T (the flags were reset)
+        fused = cuda_fp4.fp4_matmul_cuda(x_i, packed, scale, gs, bias, None, b, 0.5, 512, 576, config=config,
+                                         lora_a=a)
+        given = cuda_fp4.fp4_matmul_cuda(x_i, packed, scale, gs, bias, small_matmul(x_i, a), b, 0.5, 512, 576,
+                                         config=config)
+        torch.testing.assert_close(fused, given, rtol=2e-2, atol=2e-2)  # xa rounded after different sum orders
+    torch.testing.assert_close(fused, first, rtol=0, atol=0)  # same input, same launch: same bits
+
+
+@gpu
 @pytest.mark.parametrize("rank", [8, 16, 24, 64])
 def test_lora_ranks_that_are_not_multiples_of_16(on, rank):
     (x, packed, scale, gs, bias, a, b), ref = _case((256, 64, 64), 5, k=1024, rank=rank)
