@@ -190,20 +190,19 @@ __device__ __forceinline__ void accumulate(float (*acc)[4], const uint8_t *wp, c
 SOURCE = DEVICE_COMMON + r"""
 #define MAX_WARPS 16
 
-template <bool COHERENT = false>
 __device__ __forceinline__ uint32_t bf16_pair(const __nv_bfloat16 *p, int k, int R, bool ok) {
-  // (p[k], p[k + 1]) as one bf16x2 register, zeros past R or when !ok; COHERENT: through L2 (data written by
-  // other CTAs of the same launch)
+  // (p[k], p[k + 1]) as one bf16x2 register, zeros past R or when !ok
   const unsigned short *q = reinterpret_cast<const unsigned short *>(p + k);
-  const uint32_t lo = ok && k < R ? (uint32_t)(COHERENT ? __ldcg(q) : *q) : 0u;
-  const uint32_t hi = ok && k + 1 < R ? (uint32_t)(COHERENT ? __ldcg(q + 1) : q[1]) : 0u;
+  const uint32_t lo = ok && k < R ? (uint32_t)q[0] : 0u;
+  const uint32_t hi = ok && k + 1 < R ? (uint32_t)q[1] : 0u;
   return lo | (hi << 16);
 }
 
-// lo[nt] += lb[r0 .. r0 + 16, :R] @ xa[nt * 8 .. + 8, seg * R .. + R].T in the accumulator's fragment layout
-template <int NT, bool COHERENT>
+// lo[nt] += lb[r0 .. r0 + 16, :R] @ xa[nt * 8 .. + 8, :R].T in the accumulator's fragment layout (xa: row stride
+// sxa, already at the segment's columns)
+template <int NT>
 __device__ __forceinline__ void lora_tile(float (*lo)[4], const __nv_bfloat16 *xa, int sxa, const __nv_bfloat16 *lb,
-                                          int slb, int R, int seg, int r0, int M, int N) {
+                                          int slb, int R, int r0, int M, int N) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const __nv_bfloat16 *la = lb + (size_t)r0 * slb;
   const bool ok0 = r0 + g < N, ok8 = r0 + g + 8 < N;
@@ -215,34 +214,59 @@ __device__ __forceinline__ void lora_tile(float (*lo)[4], const __nv_bfloat16 *x
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
       const int m = nt * 8 + g;
-      const __nv_bfloat16 *xr = xa + (size_t)(m < M ? m : 0) * sxa + seg * R;
-      mma16816(lo[nt], a0, a1, a2, a3, bf16_pair<COHERENT>(xr, kk + 2 * t, R, m < M),
-               bf16_pair<COHERENT>(xr, kk + 2 * t + 8, R, m < M));
+      const __nv_bfloat16 *xr = xa + (size_t)(m < M ? m : 0) * sxa;
+      mma16816(lo[nt], a0, a1, a2, a3, bf16_pair(xr, kk + 2 * t, R, m < M), bf16_pair(xr, kk + 2 * t + 8, R, m < M));
     }
   }
 }
 
+// xs[m * R + j] = bf16(sum over ks of xw[ks][m][col + j]) for m < M, j < R: the A blocks' fp32 partials of this
+// launch (read through L2), summed in a fixed order and rounded like the unfused x @ A.T; by one warp
+__device__ __forceinline__ void gather_xa(__nv_bfloat16 *xs, const float *xw, int SA, int M, int RA, int col,
+                                          int R) {
+  for (int e = threadIdx.x & 31; e < M * R; e += 32) {
+    const int m = e / R, j = e % R;
+    float v = 0.f;
+    for (int ks = 0; ks < SA; ks++) v += __ldcg(xw + ((size_t)ks * M + m) * RA + col + j);
+    xs[e] = __float2bfloat16_rn(v);
+  }
+  __syncwarp();
+}
+
 // the warp's 16 x (8 NT) fp32 tile of x @ A.T over chunks [c0, c1) for bf16 rows A[r0 .. r0 + 16] (rows past RA
-// read row RA - 1, never stored): per 32-k step lane (g, t) holds 8 contiguous k of rows g, g + 8 and of x rows
-// nt * 8 + g, in the same permuted order as the FP4 path (2 MMAs per step; not unrolled, so the few A blocks do
-// not raise the kernel's register count).
+// read row RA - 1, never stored): lane (g, t) takes 32 contiguous k per chunk of rows g, g + 8 and of x rows
+// nt * 8 + g, the same permuted order as the FP4 path, in two halves of 16 (4 MMAs each), so that these few
+// blocks do not raise the kernel's register count.
 template <int NT>
 __device__ __forceinline__ void accumulate_bf16(float (*acc)[4], const __nv_bfloat16 *a, int sa,
                                                 const __nv_bfloat16 *x, int sxm, int M, int RA, int r0, int c0,
                                                 int c1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const __nv_bfloat16 *ag = a + (size_t)min(r0 + g, RA - 1) * sa + 8 * t;
-  const __nv_bfloat16 *ag8 = a + (size_t)min(r0 + g + 8, RA - 1) * sa + 8 * t;
+  const uint4 *ag = reinterpret_cast<const uint4 *>(a + (size_t)min(r0 + g, RA - 1) * sa + 32 * t);
+  const uint4 *ag8 = reinterpret_cast<const uint4 *>(a + (size_t)min(r0 + g + 8, RA - 1) * sa + 32 * t);
 #pragma unroll 1
-  for (int k = c0 * 128; k < c1 * 128; k += 32) {
-    const uint4 w = __ldg(reinterpret_cast<const uint4 *>(ag + k)), v = __ldg(reinterpret_cast<const uint4 *>(ag8 + k));
+  for (int h = c0 * 2; h < c1 * 2; h++) {  // half chunk h: k = (h / 2) * 128 + 32 t + (h % 2) * 16 + 0..15
+    const int off = (h >> 1) * 16 + (h & 1) * 2;  // in uint4 of the row
+    uint4 w[2], v[2], xv[NT][2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      w[i] = __ldg(ag + off + i);
+      v[i] = __ldg(ag8 + off + i);
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
       const int m = nt * 8 + g;
-      const uint4 xv = m < M ? __ldg(reinterpret_cast<const uint4 *>(x + (size_t)m * sxm + k + 8 * t))
-                             : make_uint4(0, 0, 0, 0);
-      mma16816(acc[nt], w.x, v.x, w.y, v.y, xv.x, xv.y);
-      mma16816(acc[nt], w.z, v.z, w.w, v.w, xv.z, xv.w);
+      const uint4 *xp = reinterpret_cast<const uint4 *>(x + (size_t)(m < M ? m : 0) * sxm + 32 * t) + off;
+#pragma unroll
+      for (int i = 0; i < 2; i++) xv[nt][i] = m < M ? __ldg(xp + i) : make_uint4(0, 0, 0, 0);
+    }
+    const uint32_t *wr = reinterpret_cast<const uint32_t *>(w), *vr = reinterpret_cast<const uint32_t *>(v);
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+      const uint32_t *xr = reinterpret_cast<const uint32_t *>(xv[nt]);
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        mma16816(acc[nt], wr[2 * j], vr[2 * j], wr[2 * j + 1], vr[2 * j + 1], xr[2 * j], xr[2 * j + 1]);
     }
   }
 }
@@ -269,30 +293,33 @@ __device__ __forceinline__ float ld_cluster(const float *p, int rank) {  // p in
 // split over the S x W warps (W = blockDim.x / 32). Partial tiles are summed in shared memory, across the cluster
 // through distributed shared memory; warp 0 of rank 0 applies 128 / global_scale[seg], bias and
 // lora_scale * xa[m, seg] . lb[row] (one more mma per 16 of R) and stores bf16. No atomics without LoRA A.
-// With la (LoRA A, RA = segments x R bf16 rows of K): the first NAB = ceil(RA / 16) blocks compute xa = x @ A.T
-// the same way into the workspace xw (M x RA bf16) and count themselves in flags[0]; the weight blocks' warp 0
-// waits for all NAB (they were dispatched first) before its LoRA tile, and the last of them to finish resets
-// flags[0..1] for the next launch (CUDA-graph safe).
+// With la (LoRA A, RA = segments x R bf16 rows of K): the first NAB x SA units (NAB = ceil(RA / 16) row blocks,
+// each in SA K slices) compute fp32 partials of xa = x @ A.T the same way into the workspace xw (SA x M x RA) and
+// count themselves in flags[0]; the weight blocks' warp 0 waits for all of them (they were dispatched first),
+// sums the partials in a fixed order before its LoRA tile, and the last weight block to finish resets flags[0..1]
+// for the next launch (CUDA-graph safe, deterministic).
 template <int NT, int S>
 __device__ __forceinline__ void fp4_mm_body(
     const uint8_t *__restrict__ wp, const uint8_t *__restrict__ ws, const float *__restrict__ gs,
     const __nv_bfloat16 *__restrict__ x, int sxm, __nv_bfloat16 *__restrict__ out, int som,
     const __nv_bfloat16 *__restrict__ bias, const __nv_bfloat16 *xa, int sxa,
     const __nv_bfloat16 *__restrict__ lb, int slb, float lora_scale, int M, int N, int K, int N1, int N2, int R,
-    const __nv_bfloat16 *__restrict__ la, int sla, __nv_bfloat16 *xw, int *flags) {
+    const __nv_bfloat16 *__restrict__ la, int sla, int SA, float *xw, int *flags) {
   __shared__ float red[MAX_WARPS][NT * 4][32];
   const int warp = threadIdx.x >> 5, W = blockDim.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int RA = la ? (N2 < N ? 3 : N1 < N ? 2 : 1) * R : 0, NAB = (RA + 15) / 16;
   const int rank = blockIdx.x % S, rb_all = blockIdx.x / S;
-  const bool a_block = rb_all < NAB;
-  const int rb = a_block ? rb_all : rb_all - NAB, r0 = rb * 16;
+  const bool a_block = rb_all < NAB * SA;
+  const int ks = a_block ? rb_all / NAB : 0;
+  const int rb = a_block ? rb_all % NAB : rb_all - NAB * SA, r0 = rb * 16;
   const int C = K / 128, P = S * W, p = rank * W + warp;
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  if (a_block)
-    accumulate_bf16<NT>(acc, la, sla, x, sxm, M, RA, r0, C * p / P, C * (p + 1) / P);
-  else
+  if (a_block) {
+    const int lo = C * ks / SA, n = C * (ks + 1) / SA - lo;
+    accumulate_bf16<NT>(acc, la, sla, x, sxm, M, RA, r0, lo + n * p / P, lo + n * (p + 1) / P);
+  } else
     accumulate<false, NT>(acc, wp, ws, x, sxm, M, N, K, rb, C * p / P, C * (p + 1) / P);
   if (W > 1) {
     if (warp > 0) {
@@ -322,12 +349,12 @@ __device__ __forceinline__ void fp4_mm_body(
     cluster_sync_all();  // rank 0 has read them: the others may exit
   }
   if (rank != 0 || warp != 0) return;
-  if (a_block) {  // xa rows of this block, rounded to bf16 like the unfused path's x @ A.T
+  if (a_block) {  // this unit's fp32 partial of xa
 #pragma unroll
     for (int i = 0; i < NT * 4; i++) {
       const int nt = i / 4, j = i % 4;
       const int row = r0 + g + (j >= 2 ? 8 : 0), m = nt * 8 + 2 * t + (j & 1);
-      if (m < M && row < RA) xw[(size_t)m * RA + row] = __float2bfloat16_rn(acc[nt][j]);
+      if (m < M && row < RA) xw[((size_t)ks * M + m) * RA + row] = acc[nt][j];
     }
     __threadfence();
     __syncwarp();
@@ -340,16 +367,18 @@ __device__ __forceinline__ void fp4_mm_body(
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) lo[nt][0] = lo[nt][1] = lo[nt][2] = lo[nt][3] = 0.f;
   if (la) {
-    while (ld_acquire(flags) < NAB) {
+    while (ld_acquire(flags) < NAB * SA) {
     }
-    lora_tile<NT, true>(lo, xw, RA, lb, slb, R, seg, r0, M, N);
+    __nv_bfloat16 *xs = reinterpret_cast<__nv_bfloat16 *>(&red[0][0][0]);  // free now: M x R <= 4096 NT (R <= MAX_FUSED_RANK)
+    gather_xa(xs, xw, SA, M, RA, seg * R, R);
+    lora_tile<NT>(lo, xs, R, lb, slb, R, r0, M, N);
     __syncwarp();
     if (lane == 0 && atomicAdd(flags + 1, 1) == N / 16 - 1) {  // the last reader: reset for the next launch
       flags[1] = 0;
       atomicExch(flags, 0);
     }
   } else if (xa) {
-    lora_tile<NT, false>(lo, xa, sxa, lb, slb, R, seg, r0, M, N);
+    lora_tile<NT>(lo, xa + seg * R, sxa, lb, slb, R, r0, M, N);
   }
 #pragma unroll
   for (int i = 0; i < NT * 4; i++) {
@@ -368,10 +397,15 @@ __device__ __forceinline__ void fp4_mm_body(
       const __nv_bfloat16 *__restrict__ x, int sxm, __nv_bfloat16 *__restrict__ out, int som,                  \
       const __nv_bfloat16 *__restrict__ bias, const __nv_bfloat16 *xa, int sxa,                                \
       const __nv_bfloat16 *__restrict__ lb, int slb, float lora_scale, int M, int N, int K, int N1, int N2, int R, \
-      const __nv_bfloat16 *__restrict__ la, int sla, __nv_bfloat16 *xw, int *flags
-#define FP4_MM_PASS wp, ws, gs, x, sxm, out, som, bias, xa, sxa, lb, slb, lora_scale, M, N, K, N1, N2, R, la, sla, xw, flags
+      const __nv_bfloat16 *__restrict__ la, int sla, int SA, float *xw, int *flags
+#define FP4_MM_PASS \
+  wp, ws, gs, x, sxm, out, som, bias, xa, sxa, lb, slb, lora_scale, M, N, K, N1, N2, R, la, sla, SA, xw, flags
+// NT = 1: at most 80 registers (without the cap ptxas takes 87 for the LoRA-A branch: 5 instead of 6 CTAs of 4
+// warps per SM; 80 spills nothing); NT = 2: whatever 512 threads allow.
+#define FP4_MM_BOUNDS_1 __maxnreg__(80)
+#define FP4_MM_BOUNDS_2 __launch_bounds__(32 * MAX_WARPS)
 #define FP4_MM_KERNEL(NT, S, ATTR)                                                                              \
-  extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS) ATTR fp4_mm_n##NT##_s##S(FP4_MM_ARGS) {        \
+  extern "C" __global__ void FP4_MM_BOUNDS_##NT ATTR fp4_mm_n##NT##_s##S(FP4_MM_ARGS) {                        \
     fp4_mm_body<NT, S>(FP4_MM_PASS);                                                                           \
   }
 
@@ -610,20 +644,34 @@ def _config(device_index: int, m_tiles: int, n: int, k: int) -> tuple[int, int]:
 
 
 _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+MAX_FUSED_RANK = 512  # x @ A.T in the same launch up to this LoRA rank (its M x R tile reuses shared memory)
+MAX_A_SPLITS = 32
 
 
-def _workspace(device: torch.device, ra: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(xa workspace of MAX_ROWS x ra bf16, two int32 flags left at zero by every launch) per (device, stream).
-    Warm a shape up before CUDA-graph capture so no allocation is captured."""
+def _workspace(device: torch.device, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials of x @ A.T, two int32 flags left at zero by every launch) per (device, stream). Warm a
+    shape up before CUDA-graph capture so no allocation is captured."""
     key = (device.index if device.index is not None else torch.cuda.current_device(),
            torch.cuda.current_stream(device).cuda_stream)
     xw, flags = _WORKSPACES.get(key, (None, None))
-    if xw is None or xw.numel() < MAX_ROWS * ra:
-        xw = torch.empty(max(MAX_ROWS * ra, 4096), dtype=torch.bfloat16, device=device)
+    if xw is None or xw.numel() < floats:
+        xw = torch.empty(max(floats, 1 << 14), dtype=torch.float32, device=device)
     if flags is None:
         flags = torch.zeros(2, dtype=torch.int32, device=device)
     _WORKSPACES[key] = (xw, flags)
     return xw, flags
+
+
+def a_splits(k: int, cluster: int, warps: int) -> int:
+    """K slices of each 16-row block of LoRA A, so that its warps take ~2 chunks each and finish long before the
+    weight blocks that wait for them."""
+    return max(1, min(MAX_A_SPLITS, math.ceil(k // CHUNK / (2 * cluster * warps))))
+
+
+def lora_a_product(x2: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
+    from qerl.quant.triton_fp4 import small_matmul
+
+    return small_matmul(x2, lora_a)
 
 
 def fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b, lora_scale: float,
@@ -645,13 +693,16 @@ def fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, 
     b = bias.contiguous() if bias is not None else None
     r = 0 if lora_b is None else lora_b.shape[1]
     lb = None if lora_b is None else lora_b.contiguous()
-    la, xw, flags, a_blocks = None, None, None, 0
-    if lora_a is not None and xa is None:
+    la, xw, flags, a_units, sa = None, None, None, 0, 1
+    if lora_a is not None and xa is None and r > MAX_FUSED_RANK:
+        xa = lora_a_product(x2, lora_a)
+    elif lora_a is not None and xa is None:
         la = lora_a.contiguous()
         if la.data_ptr() % 16:  # 16-byte loads of its rows
             la = la.clone()
-        xw, flags = _workspace(x2.device, la.shape[0])
-        a_blocks = -(-la.shape[0] // 16)
+        sa = a_splits(k, cluster, warps)
+        xw, flags = _workspace(x2.device, sa * m * la.shape[0])
+        a_units = -(-la.shape[0] // 16) * sa
 
     def ptr(t):
         return ctypes.c_void_p(0 if t is None else t.data_ptr())
@@ -660,8 +711,8 @@ def fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, 
             ptr(b), ptr(xa), ctypes.c_int(0 if xa is None else xa.stride(0)), ptr(lb),
             ctypes.c_int(0 if lb is None else lb.stride(0)), ctypes.c_float(lora_scale), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(n1), ctypes.c_int(n2), ctypes.c_int(r), ptr(la),
-            ctypes.c_int(0 if la is None else la.stride(0)), ptr(xw), ptr(flags)]
-    _module(dev).launch(kernel_name(nt, cluster), ((n // 16 + a_blocks) * cluster, 1), 32 * warps, args)
+            ctypes.c_int(0 if la is None else la.stride(0)), ctypes.c_int(sa), ptr(xw), ptr(flags)]
+    _module(dev).launch(kernel_name(nt, cluster), ((n // 16 + a_units) * cluster, 1), 32 * warps, args)
     return out
 
 

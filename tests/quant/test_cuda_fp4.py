@@ -173,9 +173,21 @@ def test_lora_a_in_the_same_launch_equals_a_given_xa(on, rows, config):
     torch.testing.assert_close(fused, first, rtol=0, atol=0)  # same input, same launch: same bits
 
 
+def test_a_splits_give_each_warp_about_two_chunks():
+    for k, cluster, warps in [(3584, 1, 4), (18944, 1, 10), (3584, 2, 3), (128, 1, 1), (27648, 1, 4)]:
+        sa = cuda_fp4.a_splits(k, cluster, warps)
+        assert 1 <= sa <= cuda_fp4.MAX_A_SPLITS
+        per_warp = k // 128 / (sa * cluster * warps)
+        assert per_warp <= 2 or sa == cuda_fp4.MAX_A_SPLITS
+        assert sa == 1 or per_warp > 1
+
+
 @gpu
+@pytest.mark.parametrize("unfused", [False, True])
 @pytest.mark.parametrize("rank", [8, 16, 24, 64])
-def test_lora_ranks_that_are_not_multiples_of_16(on, rank):
+def test_lora_ranks_that_are_not_multiples_of_16(on, rank, unfused, monkeypatch):
+    if unfused:  # ranks above MAX_FUSED_RANK take x @ A.T from small_matmul
+        monkeypatch.setattr(cuda_fp4, "MAX_FUSED_RANK", rank - 1)
     (x, packed, scale, gs, bias, a, b), ref = _case((256, 64, 64), 5, k=1024, rank=rank)
     out = on.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=[256, 64, 64])
     frob, worst = _err(out, ref)
