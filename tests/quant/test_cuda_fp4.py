@@ -129,7 +129,9 @@ def test_matches_float64_with_bias_lora_and_segments(on, rows, sizes, k):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("QERL_FP4_CUDA", "0")
         triton_out = on.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
-    torch.testing.assert_close(out, triton_out, rtol=2e-2, atol=2e-2)
+    # x @ A.T is summed in another order than Triton's and rounded to bf16 before the (30 x randn) B: compare as a
+    # whole, element bounds are against float64 above
+    assert ((out.double() - triton_out.double()).norm() / triton_out.double().norm()).item() < 5e-3
 
 
 @gpu
@@ -169,7 +171,8 @@ def test_lora_a_in_the_same_launch_equals_a_given_xa(on, rows, config):
                                          lora_a=a)
         given = cuda_fp4.fp4_matmul_cuda(x_i, packed, scale, gs, bias, small_matmul(x_i, a), b, 0.5, 512, 576,
                                          config=config)
-        torch.testing.assert_close(fused, given, rtol=2e-2, atol=2e-2)  # xa rounded after different sum orders
+        # xa rounded to bf16 after different sum orders: as a whole (a stale xa would be off by ~100%)
+        assert ((fused.double() - given.double()).norm() / given.double().norm()).item() < 5e-3
     torch.testing.assert_close(fused, first, rtol=0, atol=0)  # same input, same launch: same bits
 
 
