@@ -220,11 +220,16 @@ __device__ __forceinline__ void lora_tile(float (*lo)[4], const __nv_bfloat16 *x
   }
 }
 
-// xs[m * R + j] = bf16(xw[m][col + j]) for m < M, j < R: x @ A.T summed by the last A unit of this launch (read
-// through L2), rounded like the unfused x @ A.T; by one warp, into shared memory
-__device__ __forceinline__ void gather_xa(__nv_bfloat16 *xs, const float *xw, int M, int RA, int col, int R) {
-  for (int e = threadIdx.x & 31; e < M * R; e += 32)
-    xs[e] = __float2bfloat16_rn(__ldcg(xw + (size_t)(e / R) * RA + col + e % R));
+// xs[m * R + j] = bf16(sum over ks of xw[ks][m][col + j]) for m < M, j < R: the A blocks' fp32 partials of this
+// launch (read through L2), summed in a fixed order and rounded like the unfused x @ A.T; by one warp
+__device__ __forceinline__ void gather_xa(__nv_bfloat16 *xs, const float *xw, int SA, int M, int RA, int col,
+                                          int R) {
+  for (int e = threadIdx.x & 31; e < M * R; e += 32) {
+    const int m = e / R, j = e % R;
+    float v = 0.f;
+    for (int ks = 0; ks < SA; ks++) v += __ldcg(xw + ((size_t)ks * M + m) * RA + col + j);
+    xs[e] = __float2bfloat16_rn(v);
+  }
   __syncwarp();
 }
 
@@ -290,9 +295,9 @@ __device__ __forceinline__ float ld_cluster(const float *p, int rank) {  // p in
 // lora_scale * xa[m, seg] . lb[row] (one more mma per 16 of R) and stores bf16. No atomics without LoRA A.
 // With la (LoRA A, RA = segments x R bf16 rows of K): the first NAB x SA units (NAB = ceil(RA / 16) row blocks,
 // each in SA K slices) compute fp32 partials of xa = x @ A.T the same way into the workspace xw (SA x M x RA) and
-// count themselves in flags[0]; the last of them sums the partials in a fixed order into slot 0 and sets flags[2];
-// the weight blocks' warp 0 waits for that (the A units were dispatched first) before its LoRA tile, and the last
-// weight block to finish resets flags[0..2] for the next launch (CUDA-graph safe, deterministic).
+// count themselves in flags[0]; the weight blocks' warp 0 waits for all of them (they were dispatched first),
+// sums the partials in a fixed order before its LoRA tile, and the last weight block to finish resets flags[0..1]
+// for the next launch (CUDA-graph safe, deterministic).
 template <int NT, int S>
 __device__ __forceinline__ void fp4_mm_body(
     const uint8_t *__restrict__ wp, const uint8_t *__restrict__ ws, const float *__restrict__ gs,
@@ -353,18 +358,7 @@ __device__ __forceinline__ void fp4_mm_body(
     }
     __threadfence();
     __syncwarp();
-    int last = 0;
-    if (lane == 0) last = atomicAdd(flags, 1) == NAB * SA - 1;
-    if (!__shfl_sync(0xffffffffu, last, 0)) return;
-    __threadfence();  // the last A unit: every partial is visible; their fixed-order sums go to slot 0
-    for (int e = lane; e < M * RA; e += 32) {
-      float v = 0.f;
-      for (int q = 0; q < SA; q++) v += __ldcg(xw + (size_t)q * M * RA + e);
-      xw[e] = v;
-    }
-    __threadfence();
-    __syncwarp();
-    if (lane == 0) atomicExch(flags + 2, 1);
+    if (lane == 0) atomicAdd(flags, 1);
     return;
   }
   const int seg = (r0 >= N1) + (r0 >= N2);  // segment bounds are multiples of 16
@@ -373,17 +367,15 @@ __device__ __forceinline__ void fp4_mm_body(
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) lo[nt][0] = lo[nt][1] = lo[nt][2] = lo[nt][3] = 0.f;
   if (la) {
-    while (ld_acquire(flags + 2) == 0) {
+    while (ld_acquire(flags) < NAB * SA) {
     }
-    // red is free now: M x R <= 4096 NT bf16 (R <= MAX_FUSED_RANK)
-    __nv_bfloat16 *xs = reinterpret_cast<__nv_bfloat16 *>(&red[0][0][0]);
-    gather_xa(xs, xw, M, RA, seg * R, R);
+    __nv_bfloat16 *xs = reinterpret_cast<__nv_bfloat16 *>(&red[0][0][0]);  // free now: M x R <= 4096 NT (R <= MAX_FUSED_RANK)
+    gather_xa(xs, xw, SA, M, RA, seg * R, R);
     lora_tile<NT>(lo, xs, R, lb, slb, R, r0, M, N);
     __syncwarp();
     if (lane == 0 && atomicAdd(flags + 1, 1) == N / 16 - 1) {  // the last reader: reset for the next launch
-      flags[0] = 0;
-      flags[2] = 0;
-      atomicExch(flags + 1, 0);
+      flags[1] = 0;
+      atomicExch(flags, 0);
     }
   } else if (xa) {
     lora_tile<NT>(lo, xa + seg * R, sxa, lb, slb, R, r0, M, N);
@@ -657,7 +649,7 @@ MAX_A_SPLITS = 32
 
 
 def _workspace(device: torch.device, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 partials of x @ A.T, three int32 flags left at zero by every launch) per (device, stream). Warm a
+    """(fp32 partials of x @ A.T, two int32 flags left at zero by every launch) per (device, stream). Warm a
     shape up before CUDA-graph capture so no allocation is captured."""
     key = (device.index if device.index is not None else torch.cuda.current_device(),
            torch.cuda.current_stream(device).cuda_stream)
@@ -665,7 +657,7 @@ def _workspace(device: torch.device, floats: int) -> tuple[torch.Tensor, torch.T
     if xw is None or xw.numel() < floats:
         xw = torch.empty(max(floats, 1 << 14), dtype=torch.float32, device=device)
     if flags is None:
-        flags = torch.zeros(4, dtype=torch.int32, device=device)
+        flags = torch.zeros(2, dtype=torch.int32, device=device)
     _WORKSPACES[key] = (xw, flags)
     return xw, flags
 
