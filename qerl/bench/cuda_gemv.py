@@ -1,6 +1,7 @@
 """Prototype: a hand-written CUDA W4A16 NVFP4 GEMV for M <= 8 against qerl's Triton kernel (benchmark only).
 
     python -m qerl.bench.cuda_gemv --out results/bench/cuda_gemv.json     # a CUDA GPU; nvcc or NVRTC
+    python -m qerl.bench.cuda_gemv --wired --rows 1,8 --warps 4,8,12 --out results/bench/cuda_fp4_wired.json
 
 Why (BENCHMARKS.md, session 6): `qerl.bench.anatomy` shows the Triton few-row kernel is bound by its on-chip work
 per weight (5.5 SASS instructions per weight and thread), not by the weight bytes. These kernels are the design
@@ -16,8 +17,9 @@ and thread. Variants (`KERNELS`):
 The same tiled layout does not speed up the Triton kernel (tried in session 6: 24.8 -> 24.5 us).
 
 These kernels lack bias, the LoRA epilogue, stacked segments, M > 8, ragged N / K and an in-kernel finish (the
-`full` column adds the zeroing and the scale + bf16 conversion as torch ops); qerl.quant.cuda_fp4 (opt-in) is the
-complete version of `base`. Built by qerl.quant.cuda_fp4.compile_cubin (nvcc, else NVRTC from torch's CUDA wheel),
+`full` column adds the zeroing and the scale + bf16 conversion as torch ops); qerl.quant.cuda_fp4 (the default
+for <= 8 rows on Hopper) is the complete kernel, and `--wired` times it (chosen and swept (cluster, warps)
+configurations, and the whole call with bias and LoRA) against Triton and bf16. Built by qerl.quant.cuda_fp4.compile_cubin (nvcc, else NVRTC from torch's CUDA wheel),
 launched through the CUDA driver API on torch's current stream, so CUDA graphs capture it.
 Every timed configuration is first checked against the float64 reference.
 """

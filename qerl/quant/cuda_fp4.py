@@ -1,27 +1,31 @@
-"""Opt-in hand-written CUDA forward for few-row NVFP4 matmuls (M <= 8): `QERL_FP4_CUDA=1`.
+"""Hand-written CUDA forward for few-row NVFP4 matmuls, the default for <= 8 rows on Hopper (`QERL_FP4_CUDA`).
 
-    y = fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b, lora_scale, n1, n2)
+    y = fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b, lora_scale, n1, n2,
+                        lora_a=...)
 
-Same contract as the Triton kernel's few-row path (qerl.quant.triton_fp4.fp4_matmul_triton, which dispatches here
-when enabled): x2 (M <= 8, K) bf16 @ deq(W).T (+ bias) (+ lora_scale * xa[:, seg] @ lora_b.T), up to three stacked
-weights along N with their own global scales. Design (BENCHMARKS.md, session 6; prototype in qerl.bench.cuda_gemv):
-`mma.sync` m16n8k16 with W as the A operand decoded in registers (qerl.quant.ptx's bit trick) straight from 16-byte
-global loads, the K order permuted so one thread's 32 contiguous weights of a row feed 8 MMAs, x read from L1 in
-the same order as the B operand. K splits add fp32 partials with atomics into a workspace; the last warp to finish
-a 16-row block applies the global scale, bias and LoRA, stores bf16 and zeroes the workspace and its counter for
-the next launch (CUDA-graph safe, one launch per call). Built once per device by NVRTC (libnvrtc and the CUDA
-headers ship with CUDA builds of torch) or nvcc, launched through the driver API on torch's current stream.
-Anything outside the envelope (fp16/fp32 x, K % 128, N or segment bounds % 16, more rows) stays on Triton.
+Same contract as the Triton kernel's few-row path (qerl.quant.triton_fp4.fp4_matmul_triton dispatches here): x2
+(M <= 16, K) bf16 @ deq(W).T (+ bias) (+ lora_scale * (x @ A.T)[:, seg] @ lora_b.T), up to three stacked weights
+along N with their own global scales. `QERL_FP4_CUDA`: "auto" (default) = rows <= AUTO_ROWS on sm_90+ with a
+compiler (else one warning and Triton), "1" = rows <= MAX_ROWS on sm_89+, "0" = Triton only.
 
-Status (session 6, H100): correct (tests/quant/test_cuda_fp4.py, 18 GPU cases vs float64 and the Triton kernel,
-CUDA-graph replay) but **slower than the Triton path** where it matters, so off by default: 7B per decoder layer
-at M = 8 124 vs ~102 us, M = 1 101 vs 102; with LoRA r 16 at M = 8 gate|up 65.2 vs 46.9 us, q|k|v 18.4 vs 16.1;
-rollout at batch 8 (first build, before the split rule and LoRA-load changes) 1,399 vs 1,644 tokens/s. The
-prototype's kernel alone was faster (qerl.bench.cuda_gemv), so the cost is in this finish: every warp fences after
-its fp32 atomics (a wait for them to reach L2 that the prototype never paid, growing with M), and the last warp's
-LoRA dot runs serially. Next: plain stores of split partials + a second small finishing kernel (no fences), the
-LoRA dot spread over the warp, and the tiled layout. The device code shared with the prototype (`DEVICE_COMMON`,
-`accumulate`) was factored out after the last GPU run: compiled for sm_90, not yet re-run on a GPU.
+Design (BENCHMARKS.md, sessions 6-7; prototype in qerl.bench.cuda_gemv): one 16-row block of W per CTA, or per
+thread-block cluster of S CTAs on Hopper, with the block's K chunks (128 weights) split over its S x W warps; each
+warp runs `mma.sync` m16n8k16 with W as the A operand decoded in registers (qerl.quant.ptx's bit trick) straight
+from 16-byte global loads, the K order permuted so one thread's 32 contiguous weights of a row feed 8 MMAs, x read
+from L1 in the same order as the B operand (two 8-row tiles for M 9..16). Partial tiles are summed in shared
+memory and, across a cluster, through distributed shared memory: no workspace, no atomics, deterministic. Warp 0
+of the block applies 128 / global_scale, bias and the LoRA B product (one more mma per 16 of rank) and stores bf16.
+With `lora_a`, x @ A.T is computed in the same launch: the first blocks of the grid are A's 16-row blocks in K
+slices writing fp32 partials; the weight blocks wait for them with an acquire load, sum them in a fixed order and
+the last weight block resets the flags (CUDA-graph safe). (cluster, warps) come from `model_time`, fitted to an
+H100 sweep. Built once per device by NVRTC (libnvrtc and the CUDA headers ship with CUDA builds of torch) or nvcc,
+launched through the driver API on torch's current stream. Outside the envelope (fp16/fp32 x, K % 128, N or
+segment bounds % 16, more rows) the Triton kernel runs.
+
+H100, 7B shapes (session 7, `python -m qerl.bench.cuda_gemv --wired`, one run): all Linear layers of a decoder
+layer (stacked q|k|v and gate|up) 73.0 / 78.3 us at M = 1 / 8 vs Triton 85.4 / 85.9 and bf16 193.0 / 193.6
+(2.64 / 2.47x bf16); the whole call with bias and LoRA r 16 (x @ A.T included) 84.6 / 99.7 vs Triton 108.2 /
+108.7 us. At 9-16 rows the two-tile kernel lost to Triton on gate|up and down (61 vs 43 us), so "auto" stops at 8.
 """
 from __future__ import annotations
 
