@@ -49,14 +49,19 @@ def test_missing_compilers_are_one_clear_error(tmp_path, monkeypatch):
         cuda_fp4.compile_cubin(cuda_fp4.SOURCE, "sm_90", nvcc=str(tmp_path / "nvcc"))
 
 
-@pytest.mark.skipif(not HAS_COMPILER, reason="needs nvcc or NVRTC")
-def test_source_builds_for_hopper_and_ada():
-    cubin = cuda_fp4.compile_cubin("#define QERL_CLUSTERS 1\n" + cuda_fp4.SOURCE, "sm_90")
+COMPILERS = [c for c, ok in (("nvcc", cuda_fp4._find_nvcc() is not None), ("nvrtc", cuda_fp4._find_nvrtc() is not None))
+             if ok]
+
+
+@pytest.mark.skipif(not COMPILERS, reason="needs nvcc or NVRTC")
+@pytest.mark.parametrize("compiler", COMPILERS or ["none"])
+def test_source_builds_for_hopper_and_ada(compiler):
+    cubin = cuda_fp4.compile_cubin("#define QERL_CLUSTERS 1\n" + cuda_fp4.SOURCE, "sm_90", compiler=compiler)
     assert cubin[:4] == b"\x7fELF"
     for nt in (1, 2):
         for s in cuda_fp4.CLUSTER_SIZES:
             assert cuda_fp4.kernel_name(nt, s).encode() in cubin
-    ada = cuda_fp4.compile_cubin(cuda_fp4.SOURCE, "sm_89")  # no clusters there: only the one-CTA kernels
+    ada = cuda_fp4.compile_cubin(cuda_fp4.SOURCE, "sm_89", compiler=compiler)  # no clusters: one-CTA kernels only
     assert cuda_fp4.kernel_name(2, 1).encode() in ada and cuda_fp4.kernel_name(1, 2).encode() not in ada
 
 
