@@ -491,14 +491,17 @@ def compile_cubin(source: str, arch: str, compiler: str = "auto", nvcc: str | No
 
 
 class CudaModule:
-    """A cubin loaded into torch's CUDA context; `launch` runs one of its kernels on the current stream."""
+    """A cubin loaded into torch's CUDA context of one device (default: the current one); `launch` runs one of its
+    kernels on that device's current stream (the caller makes the device current)."""
 
-    def __init__(self, cubin: bytes, names: list[str]):
-        torch.zeros(1, device="cuda")  # torch's primary context is current
-        self._cuda = ctypes.CDLL("libcuda.so.1")
-        self._cubin = cubin
-        self._mod = ctypes.c_void_p()
-        self._check(self._cuda.cuModuleLoadData(ctypes.byref(self._mod), cubin), "cuModuleLoadData")
+    def __init__(self, cubin: bytes, names: list[str], device_index: int | None = None):
+        self.device_index = torch.cuda.current_device() if device_index is None else device_index
+        with torch.cuda.device(self.device_index):
+            torch.zeros(1, device=f"cuda:{self.device_index}")  # torch's primary context is current
+            self._cuda = ctypes.CDLL("libcuda.so.1")
+            self._cubin = cubin
+            self._mod = ctypes.c_void_p()
+            self._check(self._cuda.cuModuleLoadData(ctypes.byref(self._mod), cubin), "cuModuleLoadData")
         self.functions = {}
         for name in names:
             fn = ctypes.c_void_p()
@@ -550,7 +553,7 @@ def _module(device_index: int) -> CudaModule:
     clusters = major >= 9  # thread-block clusters and distributed shared memory: Hopper on
     names = [kernel_name(nt, s) for nt in (1, 2) for s in (CLUSTER_SIZES if clusters else (1,))]
     source = ("#define QERL_CLUSTERS 1\n" if clusters else "") + SOURCE
-    return CudaModule(compile_cubin(source, f"sm_{major}{minor}"), names)
+    return CudaModule(compile_cubin(source, f"sm_{major}{minor}"), names, device_index)
 
 
 def kernel_name(n_tiles: int, cluster: int) -> str:
@@ -716,7 +719,12 @@ def fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, 
             ctypes.c_int(0 if lb is None else lb.stride(0)), ctypes.c_float(lora_scale), ctypes.c_int(m),
             ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(n1), ctypes.c_int(n2), ctypes.c_int(r), ptr(la),
             ctypes.c_int(0 if la is None else la.stride(0)), ctypes.c_int(sa), ptr(xw), ptr(flags)]
-    _module(dev).launch(kernel_name(nt, cluster), ((n // 16 + a_units) * cluster, 1), 32 * warps, args)
+    grid, name = ((n // 16 + a_units) * cluster, 1), kernel_name(nt, cluster)
+    if dev == torch.cuda.current_device():
+        _module(dev).launch(name, grid, 32 * warps, args)
+    else:  # the context, stream and workspace of x's device
+        with torch.cuda.device(dev):
+            _module(dev).launch(name, grid, 32 * warps, args)
     return out
 
 
