@@ -100,6 +100,17 @@ def _fp4_weights(n: int, k: int, copies: int, seed: int):
     return out
 
 
+def fp4_kernel(x: torch.Tensor, weight_packed: torch.Tensor, n: int, k: int) -> str:
+    """Which forward `fp4_matmul_triton` takes for x (no LoRA, one segment): cuda (qerl.quant.cuda_fp4), triton
+    (the fused Triton kernel) or dense (chunked dequantize + cuBLAS)."""
+    from qerl.quant import cuda_fp4
+    from qerl.quant import triton_fp4 as tf
+
+    if cuda_fp4.supports(x, weight_packed, n, k, n, n):
+        return "cuda"
+    return "dense" if x.shape[0] >= tf.DENSE_MIN_ROWS else "triton"
+
+
 def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bool = True) -> dict:
     """All timings of one (N, K) weight at M rows, with bandwidth and floor figures."""
     from qerl.quant import triton_fp4 as tf
@@ -113,6 +124,7 @@ def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bo
     r = {"N": n, "K": k, "M": m}
     r["bf16_us"] = graph_time_us(lambda i: torch.matmul(x, wb[i].T), nb)
     r["fp4_us"] = graph_time_us(lambda i: tf.fp4_matmul_triton(x, *fp4[i]), len(fp4))
+    r["fp4_kernel"] = fp4_kernel(x, fp4[0][0], n, k)
     r["bwd_bf16_us"] = graph_time_us(lambda i: torch.matmul(g, wb[i]), nb)
     r["bwd_fp4_us"] = graph_time_us(lambda i: tf.fp4_matmul_t_triton(g, *fp4[i]), len(fp4))
     if naive:
@@ -155,13 +167,14 @@ def markdown(result: dict) -> str:
     c = result["ceilings"]
     lines = [f"Device: {result['device']} ({result['date']}); measured copy {c['copy_GBps']:.0f} GB/s, "
              f"bf16 matmul {c['bf16_tflops']:.0f} TFLOP/s", "",
-             "| model | layer | N x K | M | bf16 us | naive us | fp4 us | fp4 floor us | x bf16 | x naive | "
+             "| model | layer | N x K | M | bf16 us | naive us | fp4 us (kernel) | fp4 floor us | x bf16 | x naive | "
              "GB/s (% peak) | bwd bf16 us | bwd fp4 us | bwd x bf16 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(
             f"| {r['model']} | {r['layer']} | {r['N']}x{r['K']} | {r['M']} | {r['bf16_us']:.1f} | "
-            f"{r.get('naive_us', float('nan')):.1f} | {r['fp4_us']:.1f} | {r['fp4_floor_us']:.1f} | "
+            f"{r.get('naive_us', float('nan')):.1f} | {r['fp4_us']:.1f} ({r.get('fp4_kernel', 'triton')}) | "
+            f"{r['fp4_floor_us']:.1f} | "
             f"{r['speedup']:.2f} | {r.get('speedup_vs_naive', float('nan')):.1f} | "
             f"{r['fp4_GBps']:.0f} ({r['fp4_pct_peak_bw']:.0f}%) | {r['bwd_bf16_us']:.1f} | {r['bwd_fp4_us']:.1f} | "
             f"{r['bwd_speedup']:.2f} |")

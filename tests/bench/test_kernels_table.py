@@ -1,0 +1,31 @@
+"""qerl.bench.kernels: which forward kernel a row ran, in the table."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from qerl.bench import kernels  # noqa: E402
+
+
+def test_kernel_names_follow_the_dispatch():
+    from qerl.quant import triton_fp4
+
+    w = torch.zeros(32, 128, dtype=torch.uint8)
+    assert kernels.fp4_kernel(torch.zeros(4, 256, dtype=torch.bfloat16), w, 32, 256) == "triton"  # CPU: no CUDA
+    many = torch.zeros(triton_fp4.DENSE_MIN_ROWS, 256, dtype=torch.bfloat16)
+    assert kernels.fp4_kernel(many, w, 32, 256) == "dense"
+
+
+def test_markdown_names_the_kernel_of_each_row():
+    row = {"model": "7B", "layer": "down", "N": 3584, "K": 18944, "M": 8, "bf16_us": 55.0, "fp4_us": 23.0,
+           "fp4_floor_us": 12.6, "speedup": 55.0 / 23.0, "fp4_GBps": 1660.0, "fp4_pct_peak_bw": 55.0,
+           "bwd_bf16_us": 50.0, "bwd_fp4_us": 60.0, "bwd_speedup": 50.0 / 60.0, "fp4_kernel": "cuda"}
+    result = {"device": "H100", "date": "2026-11-22", "ceilings": {"copy_GBps": 3000.0, "bf16_tflops": 700.0},
+              "rows": [row, {**row, "M": 64, "fp4_kernel": "triton"}, {k: v for k, v in row.items()
+                                                                        if k != "fp4_kernel"}],
+              "layer_totals": []}
+    lines = kernels.markdown(result).splitlines()
+    assert "| 23.0 (cuda) |" in lines[4] and "| 23.0 (triton) |" in lines[5]
+    assert "| 23.0 (triton) |" in lines[6]  # rows from before the column: the Triton kernel
