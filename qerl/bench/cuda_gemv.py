@@ -19,8 +19,9 @@ The same tiled layout does not speed up the Triton kernel (tried in session 6: 2
 These kernels lack bias, the LoRA epilogue, stacked segments, M > 8, ragged N / K and an in-kernel finish (the
 `full` column adds the zeroing and the scale + bf16 conversion as torch ops); qerl.quant.cuda_fp4 (the default
 for <= 8 rows on Hopper) is the complete kernel, and `--wired` times it (chosen and swept (cluster, warps)
-configurations, and the whole call with bias and LoRA) against Triton and bf16. Built by qerl.quant.cuda_fp4.compile_cubin (nvcc, else NVRTC from torch's CUDA wheel),
-launched through the CUDA driver API on torch's current stream, so CUDA graphs capture it.
+configurations, and the whole call with bias and LoRA) against Triton and bf16. Built by
+qerl.quant.cuda_fp4.compile_cubin (nvcc, else NVRTC from torch's CUDA wheel), launched through the CUDA driver API
+on torch's current stream, so CUDA graphs capture it.
 Every timed configuration is first checked against the float64 reference.
 """
 from __future__ import annotations
