@@ -49,6 +49,18 @@ MAX_ROWS = 16  # the kernels' limit (two 8-row MMA tiles)
 AUTO_ROWS = 8  # default-on limit: at 9-16 rows the two-tile kernel lost to Triton (session 7)
 MAX_WARPS = 16  # the kernels' __launch_bounds__ (32 x MAX_WARPS threads)
 
+def _decode8() -> str:
+    """decode8(w, s2, o0..o3): qerl.quant.ptx's E2M1 -> bf16 PTX (the same text the Triton kernels inline and the
+    CPU emulator test checks) as a CUDA asm block, one scale pair s2 for all four output registers."""
+    text = ptx.E2M1_BF16.strip()
+    for j in (6, 7, 8):
+        text = text.replace(f"${j}", "$5")
+    lines = "".join(f'      "{line}\\n"\n' for line in text.replace("$", "%").splitlines())
+    return ("__device__ __forceinline__ void decode8(uint32_t w, uint32_t s2, uint32_t &o0, uint32_t &o1,\n"
+            "                                        uint32_t &o2, uint32_t &o3) {\n  asm(\n" + lines
+            + '      : "=r"(o0), "=r"(o1), "=r"(o2), "=r"(o3)\n      : "r"(w), "r"(s2));\n}\n')
+
+
 DEVICE_COMMON = r"""#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #ifdef __CUDACC_RTC__
@@ -59,33 +71,7 @@ typedef unsigned int uint32_t;
 #include <stdint.h>
 #endif
 
-__device__ __forceinline__ void decode8(uint32_t w, uint32_t s2, uint32_t &o0, uint32_t &o1, uint32_t &o2,
-                                        uint32_t &o3) {
-  asm("{\n"
-      ".reg .b32 r, x0, x1, x2, x3, nz;\n"
-      "mov.b32 nz, 0x80008000;\n"
-      "shf.l.wrap.b32 r, %4, %4, 4;\n"
-      "prmt.b32 x0, r, %4, 0xC184;\n"
-      "prmt.b32 x1, r, %4, 0xD295;\n"
-      "prmt.b32 x2, r, %4, 0xE3A6;\n"
-      "prmt.b32 x3, r, %4, 0xF0B7;\n"
-      "shl.b32 x0, x0, 6;\n"
-      "shl.b32 x1, x1, 6;\n"
-      "shl.b32 x2, x2, 6;\n"
-      "shl.b32 x3, x3, 6;\n"
-      "and.b32 x0, x0, 0x81C081C0;\n"
-      "and.b32 x1, x1, 0x81C081C0;\n"
-      "and.b32 x2, x2, 0x81C081C0;\n"
-      "and.b32 x3, x3, 0x81C081C0;\n"
-      "fma.rn.bf16x2 %0, x0, %5, nz;\n"
-      "fma.rn.bf16x2 %1, x1, %5, nz;\n"
-      "fma.rn.bf16x2 %2, x2, %5, nz;\n"
-      "fma.rn.bf16x2 %3, x3, %5, nz;\n"
-      "}\n"
-      : "=r"(o0), "=r"(o1), "=r"(o2), "=r"(o3)
-      : "r"(w), "r"(s2));
-}
-
+""" + _decode8() + r"""
 __device__ __forceinline__ uint32_t scale_pair(uint32_t byte) {  // bf16(fp8 scale * 2^119) in both halves
   __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)byte, __NV_E4M3);
   __nv_bfloat16 b = __float2bfloat16_rn(__half2float(__half(h)) * 6.646139978924579e+35f);
@@ -191,8 +177,7 @@ __device__ __forceinline__ void accumulate(float (*acc)[4], const uint8_t *wp, c
 }
 """
 
-SOURCE = DEVICE_COMMON + r"""
-#define MAX_WARPS 16
+SOURCE = DEVICE_COMMON + f"#define MAX_WARPS {MAX_WARPS}\n" + r"""
 
 __device__ __forceinline__ uint32_t bf16_pair(const __nv_bfloat16 *p, int k, int R, bool ok) {
   // (p[k], p[k + 1]) as one bf16x2 register, zeros past R or when !ok

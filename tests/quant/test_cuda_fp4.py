@@ -65,6 +65,16 @@ def test_source_builds_for_hopper_and_ada(compiler):
     assert cuda_fp4.kernel_name(2, 1).encode() in ada and cuda_fp4.kernel_name(1, 2).encode() not in ada
 
 
+def test_cuda_decode_is_the_emulator_checked_ptx():
+    from qerl.quant import ptx
+
+    body = cuda_fp4.DEVICE_COMMON.split("void decode8(", 1)[1].split("}\n", 1)[0] + "}\n"
+    asm = [line.strip()[1:-3] for line in body.splitlines() if line.strip().startswith('"')]
+    want = [line.replace("$6", "$5").replace("$7", "$5").replace("$8", "$5").replace("$", "%")
+            for line in ptx.E2M1_BF16.strip().splitlines()]
+    assert asm == want and len(want) == 21  # braces, .reg, 19 instructions
+
+
 def _occupancy(warps: int) -> int:  # ~80 registers per thread, 64 warps and 32 CTAs per SM at most
     return min(65536 // (80 * 32 * warps), 64 // warps, 32)
 
