@@ -10,12 +10,11 @@ the kernel from one (row, KV head) program per SM on (qerl.rollout.attention).
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
 
-from qerl.bench.kernels import _environment, graph_time_us, measure_ceilings, write_json
+from qerl.bench.kernels import _environment, env_var, graph_time_us, measure_ceilings, write_json
 
 CASES = [  # (rows, static cache length, filled positions per row)
     (8, 1280, 768), (64, 1280, 768), (8, 2304, 1536), (64, 2304, 1536), (64, 2304, 300),
@@ -40,9 +39,8 @@ def run() -> dict:
         cases = [_case(rows, length, filled) for _ in range(copies)]
         times = {}
         for path in ("torch", "triton"):
-            os.environ["QERL_DECODE_ATTENTION"] = path
-            times[path] = graph_time_us(lambda i: decode_attention(None, *cases[i][:3], cases[i][3]), copies)
-        os.environ.pop("QERL_DECODE_ATTENTION", None)
+            with env_var("QERL_DECODE_ATTENTION", path):
+                times[path] = graph_time_us(lambda i: decode_attention(None, *cases[i][:3], cases[i][3]), copies)
         kv_bytes = 2 * rows * 4 * filled * 128 * 2
         floor = kv_bytes / (result["ceilings"]["copy_GBps"] * 1e3)
         row = {"rows": rows, "cache_len": length, "filled": filled, "torch_us": times["torch"],

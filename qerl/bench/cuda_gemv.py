@@ -27,10 +27,8 @@ Every timed configuration is first checked against the float64 reference.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import itertools
-import os
 from pathlib import Path
 
 import torch
@@ -60,21 +58,15 @@ __device__ __forceinline__ void gemv_m8(const uint8_t *__restrict__ wp, const ui
   add_partials(out, acc[0], M, N, rb * 16);
 }
 
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8(const uint8_t *__restrict__ wp,
-                                                               const uint8_t *__restrict__ ws,
-                                                               const __nv_bfloat16 *__restrict__ x,
-                                                               float *__restrict__ out, int M, int N, int K,
-                                                               int chunks_per_split) {
-  gemv_m8<false>(wp, ws, x, out, M, N, K, chunks_per_split);
-}
+#define GEMV_KERNEL(NAME, TILED)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(256)                                                            \
+      NAME(const uint8_t *__restrict__ wp, const uint8_t *__restrict__ ws, const __nv_bfloat16 *__restrict__ x,  \
+           float *__restrict__ out, int M, int N, int K, int chunks_per_split) {                                 \
+    gemv_m8<TILED>(wp, ws, x, out, M, N, K, chunks_per_split);                                                 \
+  }
 
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_m8_tiled(const uint8_t *__restrict__ wp,
-                                                                     const uint8_t *__restrict__ ws,
-                                                                     const __nv_bfloat16 *__restrict__ x,
-                                                                     float *__restrict__ out, int M, int N, int K,
-                                                                     int chunks_per_split) {
-  gemv_m8<true>(wp, ws, x, out, M, N, K, chunks_per_split);
-}
+GEMV_KERNEL(fp4_gemv_m8, false)
+GEMV_KERNEL(fp4_gemv_m8_tiled, true)
 
 // Variant "deep": W streamed past L1 (ld.global.nc.L1::no_allocate) with two chunks in flight while a third is
 // computed; x read from L1 just before its chunk's MMAs.
@@ -255,24 +247,11 @@ LAYER_SHAPES = {  # (layer, N, K, stacked segments along N)
             ("gate|up", 55296, 5120, (27648, 27648)), ("down", 5120, 27648, (5120,))]}
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def run_wired(models: list[str], rows_m: list[int], warps_list: list[int], lora_rank: int = 16) -> dict:
     """qerl.quant.cuda_fp4 (the wired-in kernel) per decoder-layer shape: its chosen (cluster, warps), every other
     candidate with warps in `warps_list`, the Triton kernel and bf16 torch.matmul, all in one process; and the
     whole fp4_matmul_triton call with bias and a rank-`lora_rank` LoRA (x @ A.T included) on either kernel."""
-    from qerl.bench.kernels import _copies, _environment, _fp4_weights, fp4_reference, graph_time_us
+    from qerl.bench.kernels import _copies, _environment, _fp4_weights, env_var, fp4_reference, graph_time_us
     from qerl.bench.kernels import measure_ceilings
     from qerl.quant import triton_fp4 as tf
 
@@ -309,7 +288,7 @@ def run_wired(models: list[str], rows_m: list[int], warps_list: list[int], lora_
                     row["configs"].append({"cluster": cfg[0], "warps": cfg[1], "us": graph_time_us(call, len(fp4)),
                                            "err": err})
                 for mode, path in (("triton", "fused"), ("cuda", "auto")):  # LoRA + bias, the whole call
-                    with _env("QERL_FP4_CUDA", "1"):
+                    with env_var("QERL_FP4_CUDA", "1"):
                         row[f"lora_{mode}_us"] = graph_time_us(
                             lambda i, path=path: tf.fp4_matmul_triton(
                                 x, fp4[i][0], fp4[i][1], gs, bias, lora_a, lora_b, 0.5,

@@ -13,6 +13,7 @@ Random weights, never zeros. Prints a Markdown table; writes the JSON atomically
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
@@ -193,6 +194,20 @@ def write_json(path: Path, payload: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=1))
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str):
+    """An environment variable (a kernel choice such as QERL_FP4_CUDA) set for the block, restored after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def publish(result: dict, table: str, out: Path) -> None:

@@ -1,15 +1,16 @@
-"""qerl.bench.kernels: which forward kernel a row ran, in the table."""
+"""qerl.bench.kernels: which forward kernel a row ran, in the table; the environment helper."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from qerl.bench import kernels  # noqa: E402
+from qerl.bench import kernels
 
 
 def test_kernel_names_follow_the_dispatch():
+    pytest.importorskip("triton")
     from qerl.quant import triton_fp4
 
     w = torch.zeros(32, 128, dtype=torch.uint8)
@@ -29,3 +30,14 @@ def test_markdown_names_the_kernel_of_each_row():
     lines = kernels.markdown(result).splitlines()
     assert "| 23.0 (cuda) |" in lines[4] and "| 23.0 (triton) |" in lines[5]
     assert "| 23.0 (triton) |" in lines[6]  # rows from before the column: the Triton kernel
+
+
+def test_env_var_is_set_inside_and_restored_after(monkeypatch):
+    monkeypatch.delenv("QERL_FP4_CUDA", raising=False)
+    with kernels.env_var("QERL_FP4_CUDA", "1"):
+        assert os.environ["QERL_FP4_CUDA"] == "1"
+    assert "QERL_FP4_CUDA" not in os.environ
+    monkeypatch.setenv("QERL_FP4_CUDA", "0")
+    with pytest.raises(RuntimeError), kernels.env_var("QERL_FP4_CUDA", "1"):
+        raise RuntimeError("inside")
+    assert os.environ["QERL_FP4_CUDA"] == "0"
