@@ -432,6 +432,11 @@ def _find_nvcc(nvcc: str | None = None) -> str | None:
     return nvcc if Path(nvcc).exists() or shutil.which(nvcc) else None
 
 
+def compilers() -> list[str]:
+    """The CUDA compilers `compile_cubin` can use here, in its order of preference: "nvcc", "nvrtc"."""
+    return [name for name, found in (("nvcc", _find_nvcc()), ("nvrtc", _find_nvrtc())) if found is not None]
+
+
 def _compile_nvrtc(source: str, arch: str) -> bytes:
     found = _find_nvrtc()
     if found is None:

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import functools
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ import torch
 from qerl.bench import cuda_gemv
 from qerl.quant import cuda_fp4
 
-HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+HAS_NVCC = "nvcc" in cuda_fp4.compilers()
 
 
 def test_missing_compilers_are_one_clear_error(tmp_path, monkeypatch):
@@ -55,7 +53,7 @@ def _kernel(compiler: str) -> cuda_gemv.CudaGemv:
     return cuda_gemv.CudaGemv(cuda_gemv.compile_cubin(f"sm_{major}{minor}", compiler=compiler))
 
 
-COMPILERS = [c for c, ok in (("nvcc", HAS_NVCC), ("nvrtc", cuda_fp4._find_nvrtc() is not None)) if ok]
+COMPILERS = cuda_fp4.compilers()
 
 
 @pytest.mark.gpu

@@ -1,16 +1,13 @@
-"""The opt-in CUDA few-row kernel (qerl.quant.cuda_fp4, QERL_FP4_CUDA=1) vs float64 and the Triton kernel."""
+"""The hand-written CUDA few-row kernel (qerl.quant.cuda_fp4, QERL_FP4_CUDA) vs float64 and the Triton kernel."""
 from __future__ import annotations
-
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from qerl.quant import cuda_fp4
 
-HAS_COMPILER = (shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
-                or cuda_fp4._find_nvrtc() is not None)
+COMPILERS = cuda_fp4.compilers()
+HAS_COMPILER = bool(COMPILERS)
 
 
 def test_modes_and_cpu_outside_the_envelope(monkeypatch):
@@ -41,6 +38,16 @@ def test_auto_mode_warns_once_and_falls_back_when_nothing_builds(monkeypatch):
         cuda_fp4._built.cache_clear()
 
 
+def test_compilers_lists_what_compile_cubin_would_try(monkeypatch):
+    monkeypatch.setattr(cuda_fp4, "_find_nvcc", lambda nvcc=None: "/opt/cuda/bin/nvcc")
+    monkeypatch.setattr(cuda_fp4, "_find_nvrtc", lambda: ("libnvrtc.so", "include"))
+    assert cuda_fp4.compilers() == ["nvcc", "nvrtc"]
+    monkeypatch.setattr(cuda_fp4, "_find_nvcc", lambda nvcc=None: None)
+    assert cuda_fp4.compilers() == ["nvrtc"]
+    monkeypatch.setattr(cuda_fp4, "_find_nvrtc", lambda: None)
+    assert cuda_fp4.compilers() == []
+
+
 def test_missing_compilers_are_one_clear_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="nvcc not found"):
         cuda_fp4.compile_cubin(cuda_fp4.SOURCE, "sm_90", compiler="nvcc", nvcc=str(tmp_path / "nvcc"))
@@ -49,8 +56,6 @@ def test_missing_compilers_are_one_clear_error(tmp_path, monkeypatch):
         cuda_fp4.compile_cubin(cuda_fp4.SOURCE, "sm_90", nvcc=str(tmp_path / "nvcc"))
 
 
-COMPILERS = [c for c, ok in (("nvcc", cuda_fp4._find_nvcc() is not None), ("nvrtc", cuda_fp4._find_nvrtc() is not None))
-             if ok]
 
 
 @pytest.mark.skipif(not COMPILERS, reason="needs nvcc or NVRTC")
