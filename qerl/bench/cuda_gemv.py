@@ -257,7 +257,7 @@ def run_wired(models: list[str], rows_m: list[int], warps_list: list[int], lora_
 
     dev = torch.cuda.current_device()
     clusters = torch.cuda.get_device_capability(dev)[0] >= 9
-    result = {**_environment(), "ceilings": measure_ceilings(), "rows": []}
+    result = {**_environment(), "ceilings": measure_ceilings(), "lora_rank": lora_rank, "rows": []}
     for model in models:
         for layer, n, k, segments in LAYER_SHAPES[model]:
             fp4 = _fp4_weights(n, k, _copies(n * k // 2 + n * k // 16), 0)
@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--wired", action="store_true",
                    help="time qerl.quant.cuda_fp4 (chosen and swept configs) against Triton and bf16 instead")
     p.add_argument("--models", default="7B", help="with --wired: " + ", ".join(LAYER_SHAPES))
+    p.add_argument("--lora-rank", type=int, default=16, help="with --wired: rank of the LoRA columns")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl.bench.cuda_gemv needs a CUDA GPU")
@@ -357,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if a.wired:
         result = run_wired(a.models.split(","), [int(v) for v in a.rows.split(",")],
-                           [int(v) for v in a.warps.split(",")])
+                           [int(v) for v in a.warps.split(",")], lora_rank=a.lora_rank)
         publish(result, wired_markdown(result), a.out)
         return
 

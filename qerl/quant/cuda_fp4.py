@@ -48,6 +48,7 @@ CHUNK = 128  # weights per row per chunk
 MAX_ROWS = 16  # the kernels' limit (two 8-row MMA tiles)
 AUTO_ROWS = 8  # default-on limit: at 9-16 rows the two-tile kernel lost to Triton (session 7)
 MAX_WARPS = 16  # the kernels' __launch_bounds__ (32 x MAX_WARPS threads)
+MAX_FUSED_RANK = 128  # x @ A.T in the same launch up to this LoRA rank (its M x R bf16 tile in shared memory)
 
 def _decode8() -> str:
     """decode8(w, s2, o0..o3): qerl.quant.ptx's E2M1 -> bf16 PTX (the same text the Triton kernels inline and the
@@ -177,49 +178,70 @@ __device__ __forceinline__ void accumulate(float (*acc)[4], const uint8_t *wp, c
 }
 """
 
-SOURCE = DEVICE_COMMON + f"#define MAX_WARPS {MAX_WARPS}\n" + r"""
+SOURCE = DEVICE_COMMON + f"#define MAX_WARPS {MAX_WARPS}\n#define MAX_FUSED_RANK {MAX_FUSED_RANK}\n" + r"""
 
-__device__ __forceinline__ uint32_t bf16_pair(const __nv_bfloat16 *p, int k, int R, bool ok) {
-  // (p[k], p[k + 1]) as one bf16x2 register, zeros past R or when !ok
+__device__ __forceinline__ uint32_t bf16_pair(const __nv_bfloat16 *p, int k, int R, bool ok, bool wide) {
+  // (p[k], p[k + 1]) as one bf16x2 register (k even), zeros past R or when !ok; wide: one 4-byte load (p
+  // 4-byte aligned and R even)
+  if (wide) return ok && k < R ? *reinterpret_cast<const uint32_t *>(p + k) : 0u;
   const unsigned short *q = reinterpret_cast<const unsigned short *>(p + k);
   const uint32_t lo = ok && k < R ? (uint32_t)q[0] : 0u;
   const uint32_t hi = ok && k + 1 < R ? (uint32_t)q[1] : 0u;
   return lo | (hi << 16);
 }
 
-// lo[nt] += lb[r0 .. r0 + 16, :R] @ xa[nt * 8 .. + 8, :R].T in the accumulator's fragment layout (xa: row stride
-// sxa, already at the segment's columns)
-template <int NT>
-__device__ __forceinline__ void lora_tile(float (*lo)[4], const __nv_bfloat16 *xa, int sxa, const __nv_bfloat16 *lb,
-                                          int slb, int R, int r0, int M, int N) {
+// the A fragment of lb[r0 .. r0 + 16, kk .. kk + 16] (rows past N read as zeros)
+__device__ __forceinline__ void lb_frag(uint32_t *a, const __nv_bfloat16 *lb, int slb, int R, int r0, int N, int kk,
+                                        bool wide) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const __nv_bfloat16 *la = lb + (size_t)r0 * slb;
   const bool ok0 = r0 + g < N, ok8 = r0 + g + 8 < N;
-  for (int kk = 0; kk < R; kk += 16) {
-    const uint32_t a0 = bf16_pair(la + (size_t)g * slb, kk + 2 * t, R, ok0);
-    const uint32_t a1 = bf16_pair(la + (size_t)(g + 8) * slb, kk + 2 * t, R, ok8);
-    const uint32_t a2 = bf16_pair(la + (size_t)g * slb, kk + 2 * t + 8, R, ok0);
-    const uint32_t a3 = bf16_pair(la + (size_t)(g + 8) * slb, kk + 2 * t + 8, R, ok8);
+  a[0] = bf16_pair(la + (size_t)g * slb, kk + 2 * t, R, ok0, wide);
+  a[1] = bf16_pair(la + (size_t)(g + 8) * slb, kk + 2 * t, R, ok8, wide);
+  a[2] = bf16_pair(la + (size_t)g * slb, kk + 2 * t + 8, R, ok0, wide);
+  a[3] = bf16_pair(la + (size_t)(g + 8) * slb, kk + 2 * t + 8, R, ok8, wide);
+}
+
+// lo[nt] += a (16 rows x k kk .. kk + 16) @ xa[nt * 8 .. + 8, kk .. kk + 16].T (xa: row stride sxa, shared or global)
+template <int NT>
+__device__ __forceinline__ void lora_step(float (*lo)[4], const uint32_t *a, const __nv_bfloat16 *xa, int sxa,
+                                          int R, int M, int kk) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-      const int m = nt * 8 + g;
-      const __nv_bfloat16 *xr = xa + (size_t)(m < M ? m : 0) * sxa;
-      mma16816(lo[nt], a0, a1, a2, a3, bf16_pair(xr, kk + 2 * t, R, m < M), bf16_pair(xr, kk + 2 * t + 8, R, m < M));
-    }
+  for (int nt = 0; nt < NT; nt++) {
+    const int m = nt * 8 + g;
+    const __nv_bfloat16 *xr = xa + (size_t)(m < M ? m : 0) * sxa;
+    mma16816(lo[nt], a[0], a[1], a[2], a[3], bf16_pair(xr, kk + 2 * t, R, m < M, false),
+             bf16_pair(xr, kk + 2 * t + 8, R, m < M, false));
+  }
+}
+
+// lo[nt] += lb[r0 .. r0 + 16, :R] @ xa[nt * 8 .. + 8, :R].T in the accumulator's fragment layout, the first two
+// steps' A fragments (pre, loaded by lb_frag) given
+template <int NT>
+__device__ __forceinline__ void lora_tile(float (*lo)[4], const __nv_bfloat16 *xa, int sxa, const __nv_bfloat16 *lb,
+                                          int slb, int R, int r0, int M, int N, bool wide, const uint32_t (*pre)[4]) {
+  if (R > 0) lora_step<NT>(lo, pre[0], xa, sxa, R, M, 0);
+  if (R > 16) lora_step<NT>(lo, pre[1], xa, sxa, R, M, 16);
+  for (int kk = 32; kk < R; kk += 16) {
+    uint32_t a[4];
+    lb_frag(a, lb, slb, R, r0, N, kk, wide);
+    lora_step<NT>(lo, a, xa, sxa, R, M, kk);
   }
 }
 
 // xs[m * R + j] = bf16(sum over ks of xw[ks][m][col + j]) for m < M, j < R: the A blocks' fp32 partials of this
-// launch (read through L2), summed in a fixed order and rounded like the unfused x @ A.T; by one warp
+// launch (read through L2), summed in a fixed order and rounded like the unfused x @ A.T; thread tid of nth
 __device__ __forceinline__ void gather_xa(__nv_bfloat16 *xs, const float *xw, int SA, int M, int RA, int col,
-                                          int R) {
-  for (int e = threadIdx.x & 31; e < M * R; e += 32) {
+                                          int R, int tid, int nth) {
+  const size_t step = (size_t)M * RA;
+  for (int e = tid; e < M * R; e += nth) {
     const int m = e / R, j = e % R;
+    const float *q = xw + (size_t)m * RA + col + j;
     float v = 0.f;
-    for (int ks = 0; ks < SA; ks++) v += __ldcg(xw + ((size_t)ks * M + m) * RA + col + j);
+    for (int ks = 0; ks < SA; ks++) v += __ldcg(q + ks * step);
     xs[e] = __float2bfloat16_rn(v);
   }
-  __syncwarp();
 }
 
 // the warp's 16 x (8 NT) fp32 tile of x @ A.T over chunks [c0, c1) for bf16 rows A[r0 .. r0 + 16] (rows past RA
@@ -281,12 +303,14 @@ __device__ __forceinline__ float ld_cluster(const float *p, int rank) {  // p in
 // One 16-row block of y = x @ deq(W).T per cluster of S CTAs (cluster rank = blockIdx.x % S); its K chunks are
 // split over the S x W warps (W = blockDim.x / 32). Partial tiles are summed in shared memory, across the cluster
 // through distributed shared memory; warp 0 of rank 0 applies 128 / global_scale[seg], bias and
-// lora_scale * xa[m, seg] . lb[row] (one more mma per 16 of R) and stores bf16. No atomics without LoRA A.
+// lora_scale * xa[m, seg] . lb[row] (one more mma per 16 of R) and stores bf16; it loads the global scale, bias
+// and first LoRA B fragments before the reduction, so that their latency overlaps it. No atomics without LoRA A.
 // With la (LoRA A, RA = segments x R bf16 rows of K): the first NAB x SA units (NAB = ceil(RA / 16) row blocks,
 // each in SA K slices) compute fp32 partials of xa = x @ A.T the same way into the workspace xw (SA x M x RA) and
-// count themselves in flags[0]; the weight blocks' warp 0 waits for all of them (they were dispatched first),
-// sums the partials in a fixed order before its LoRA tile, and the last weight block to finish resets flags[0..1]
-// for the next launch (CUDA-graph safe, deterministic).
+// count themselves in flags[0]; in each weight block, warps 1..W-1 (warp 0 when W = 1) wait for all of them (they
+// were dispatched first) and sum the partials in a fixed order into shared memory while warp 0 sums the block's
+// partial tiles; the last weight block to finish resets flags[0..1] for the next launch (CUDA-graph safe,
+// deterministic).
 template <int NT, int S>
 __device__ __forceinline__ void fp4_mm_body(
     const uint8_t *__restrict__ wp, const uint8_t *__restrict__ ws, const float *__restrict__ gs,
@@ -295,6 +319,7 @@ __device__ __forceinline__ void fp4_mm_body(
     const __nv_bfloat16 *__restrict__ lb, int slb, float lora_scale, int M, int N, int K, int N1, int N2, int R,
     const __nv_bfloat16 *__restrict__ la, int sla, int SA, float *xw, int *flags) {
   __shared__ float red[MAX_WARPS][NT * 4][32];
+  __shared__ __nv_bfloat16 xs[NT * 8 * MAX_FUSED_RANK];
   const int warp = threadIdx.x >> 5, W = blockDim.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int RA = la ? (N2 < N ? 3 : N1 < N ? 2 : 1) * R : 0, NAB = (RA + 15) / 16;
   const int rank = blockIdx.x % S, rb_all = blockIdx.x / S;
@@ -310,6 +335,21 @@ __device__ __forceinline__ void fp4_mm_body(
     accumulate_bf16<NT>(acc, la, sla, x, sxm, M, RA, r0, lo + n * p / P, lo + n * (p + 1) / P);
   } else
     accumulate<false, NT>(acc, wp, ws, x, sxm, M, N, K, rb, C * p / P, C * (p + 1) / P);
+  const bool finish = !a_block && rank == 0;  // this CTA stores the block
+  const bool fused = la && finish;
+  const int seg = (r0 >= N1) + (r0 >= N2);  // segment bounds are multiples of 16
+  const bool wide = (R % 2 == 0) && (slb % 2 == 0) && ((reinterpret_cast<size_t>(lb) & 3) == 0);
+  float sc = 0.f, b0 = 0.f, b8 = 0.f;
+  uint32_t pre[2][4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
+  if (finish && warp == 0) {  // epilogue loads in flight during the reduction
+    sc = 128.0f / gs[seg];
+    if (bias) {
+      b0 = r0 + g < N ? __bfloat162float(bias[r0 + g]) : 0.f;
+      b8 = r0 + g + 8 < N ? __bfloat162float(bias[r0 + g + 8]) : 0.f;
+    }
+    if (lb && R > 0) lb_frag(pre[0], lb, slb, R, r0, N, 0, wide);
+    if (lb && R > 16) lb_frag(pre[1], lb, slb, R, r0, N, 16, wide);
+  }
   if (W > 1) {
     if (warp > 0) {
 #pragma unroll
@@ -321,6 +361,10 @@ __device__ __forceinline__ void fp4_mm_body(
 #pragma unroll
         for (int i = 0; i < NT * 4; i++) acc[i / 4][i % 4] += red[w][i][lane];
       }
+    } else if (fused) {  // warps 1..W-1: this launch's x @ A.T into xs
+      while (ld_acquire(flags) < NAB * SA) {
+      }
+      gather_xa(xs, xw, SA, M, RA, seg * R, R, threadIdx.x - 32, blockDim.x - 32);
     }
   }
   if (S > 1) {
@@ -337,7 +381,16 @@ __device__ __forceinline__ void fp4_mm_body(
     }
     cluster_sync_all();  // rank 0 has read them: the others may exit
   }
-  if (rank != 0 || warp != 0) return;
+  if (rank != 0) return;
+  if (fused) {
+    if (W == 1) {
+      while (ld_acquire(flags) < NAB * SA) {
+      }
+      gather_xa(xs, xw, SA, M, RA, seg * R, R, lane, 32);
+    }
+    __syncthreads();  // xs complete
+  }
+  if (warp != 0) return;
   if (a_block) {  // this unit's fp32 partial of xa
 #pragma unroll
     for (int i = 0; i < NT * 4; i++) {
@@ -350,33 +403,24 @@ __device__ __forceinline__ void fp4_mm_body(
     if (lane == 0) atomicAdd(flags, 1);
     return;
   }
-  const int seg = (r0 >= N1) + (r0 >= N2);  // segment bounds are multiples of 16
-  const float sc = 128.0f / gs[seg];
   float lo[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) lo[nt][0] = lo[nt][1] = lo[nt][2] = lo[nt][3] = 0.f;
-  if (la) {
-    while (ld_acquire(flags) < NAB * SA) {
-    }
-    // red is free now: M x R <= 4096 NT bf16 (R <= MAX_FUSED_RANK)
-    __nv_bfloat16 *xs = reinterpret_cast<__nv_bfloat16 *>(&red[0][0][0]);
-    gather_xa(xs, xw, SA, M, RA, seg * R, R);
-    lora_tile<NT>(lo, xs, R, lb, slb, R, r0, M, N);
-    __syncwarp();
+  if (fused) {
+    lora_tile<NT>(lo, xs, R, lb, slb, R, r0, M, N, wide, pre);
     if (lane == 0 && atomicAdd(flags + 1, 1) == N / 16 - 1) {  // the last reader: reset for the next launch
       flags[1] = 0;
       atomicExch(flags, 0);
     }
   } else if (xa) {
-    lora_tile<NT>(lo, xa + seg * R, sxa, lb, slb, R, r0, M, N);
+    lora_tile<NT>(lo, xa + seg * R, sxa, lb, slb, R, r0, M, N, wide, pre);
   }
 #pragma unroll
   for (int i = 0; i < NT * 4; i++) {
     const int nt = i / 4, j = i % 4;
     const int row = r0 + g + (j >= 2 ? 8 : 0), m = nt * 8 + 2 * t + (j & 1);
     if (m < M && row < N) {
-      float y = acc[nt][j] * sc + lora_scale * lo[nt][j];
-      if (bias) y += __bfloat162float(bias[row]);
+      const float y = acc[nt][j] * sc + lora_scale * lo[nt][j] + (j >= 2 ? b8 : b0);
       out[(size_t)m * som + row] = __float2bfloat16_rn(y);
     }
   }
@@ -638,7 +682,6 @@ def _config(device_index: int, m_tiles: int, n: int, k: int) -> tuple[int, int]:
 
 
 _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-MAX_FUSED_RANK = 512  # x @ A.T in the same launch up to this LoRA rank (its M x R tile reuses shared memory)
 MAX_A_SPLITS = 32
 
 
@@ -700,6 +743,7 @@ def fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, 
 
     def ptr(t):
         return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
 
     args = [ptr(wp), ptr(ws), ptr(gs), ptr(x2), ctypes.c_int(x2.stride(0)), ptr(out), ctypes.c_int(out.stride(0)),
             ptr(b), ptr(xa), ctypes.c_int(0 if xa is None else xa.stride(0)), ptr(lb),

@@ -207,7 +207,7 @@ def test_a_splits_give_each_warp_about_two_chunks():
 
 @gpu
 @pytest.mark.parametrize("unfused", [False, True])
-@pytest.mark.parametrize("rank", [8, 16, 24, 64])
+@pytest.mark.parametrize("rank", [5, 8, 16, 24, 64, 128])
 def test_lora_ranks_that_are_not_multiples_of_16(on, rank, unfused, monkeypatch):
     if unfused:  # ranks above MAX_FUSED_RANK take x @ A.T from small_matmul
         monkeypatch.setattr(cuda_fp4, "MAX_FUSED_RANK", rank - 1)
