@@ -166,6 +166,10 @@ def layer_totals(rows: list[dict], models: list[str]) -> list[dict]:
 
 def markdown(result: dict) -> str:
     c = result["ceilings"]
+
+    def opt(row: dict, key: str, fmt: str) -> str:  # columns absent with --no-naive print as "-"
+        return format(row[key], fmt) if key in row else "-"
+
     lines = [f"Device: {result['device']} ({result['date']}); measured copy {c['copy_GBps']:.0f} GB/s, "
              f"bf16 matmul {c['bf16_tflops']:.0f} TFLOP/s", "",
              "| model | layer | N x K | M | bf16 us | naive us | fp4 us (kernel) | fp4 floor us | x bf16 | x naive | "
@@ -174,16 +178,16 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         lines.append(
             f"| {r['model']} | {r['layer']} | {r['N']}x{r['K']} | {r['M']} | {r['bf16_us']:.1f} | "
-            f"{r.get('naive_us', float('nan')):.1f} | {r['fp4_us']:.1f} ({r.get('fp4_kernel', 'triton')}) | "
+            f"{opt(r, 'naive_us', '.1f')} | {r['fp4_us']:.1f} ({r.get('fp4_kernel', 'triton')}) | "
             f"{r['fp4_floor_us']:.1f} | "
-            f"{r['speedup']:.2f} | {r.get('speedup_vs_naive', float('nan')):.1f} | "
+            f"{r['speedup']:.2f} | {opt(r, 'speedup_vs_naive', '.1f')} | "
             f"{r['fp4_GBps']:.0f} ({r['fp4_pct_peak_bw']:.0f}%) | {r['bwd_bf16_us']:.1f} | {r['bwd_fp4_us']:.1f} | "
             f"{r['bwd_speedup']:.2f} |")
     lines += ["", "Per decoder layer (q, k, v, o, gate, up, down):", "",
               "| model | M | bf16 us | naive us | fp4 us | fp4 floor us | x bf16 | bwd bf16 us | bwd fp4 us | bwd x |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for t in result["layer_totals"]:
-        lines.append(f"| {t['model']} | {t['M']} | {t['bf16_us']:.0f} | {t.get('naive_us', float('nan')):.0f} | "
+        lines.append(f"| {t['model']} | {t['M']} | {t['bf16_us']:.0f} | {opt(t, 'naive_us', '.0f')} | "
                      f"{t['fp4_us']:.0f} | {t['fp4_floor_us']:.0f} | {t['speedup']:.2f} | {t['bwd_bf16_us']:.0f} | "
                      f"{t['bwd_fp4_us']:.0f} | {t['bwd_speedup']:.2f} |")
     return "\n".join(lines)

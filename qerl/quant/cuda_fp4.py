@@ -8,7 +8,7 @@ Same contract as the Triton kernel's few-row path (qerl.quant.triton_fp4.fp4_mat
 along N with their own global scales. `QERL_FP4_CUDA`: "auto" (default) = rows <= AUTO_ROWS on sm_90+ with a
 compiler (else one warning and Triton), "1" = rows <= MAX_ROWS on sm_89+, "0" = Triton only.
 
-Design (BENCHMARKS.md, sessions 6-7; prototype in qerl.bench.cuda_gemv): one 16-row block of W per CTA, or per
+Design (BENCHMARKS.md, sessions 6-8; prototype in qerl.bench.cuda_gemv): one 16-row block of W per CTA, or per
 thread-block cluster of S CTAs on Hopper, with the block's K chunks (128 weights) split over its S x W warps; each
 warp runs `mma.sync` m16n8k16 with W as the A operand decoded in registers (qerl.quant.ptx's bit trick) straight
 from 16-byte global loads, the K order permuted so one thread's 32 contiguous weights of a row feed 8 MMAs, x read
@@ -16,16 +16,18 @@ from L1 in the same order as the B operand (two 8-row tiles for M 9..16). Partia
 memory and, across a cluster, through distributed shared memory: no workspace, no atomics, deterministic. Warp 0
 of the block applies 128 / global_scale, bias and the LoRA B product (one more mma per 16 of rank) and stores bf16.
 With `lora_a`, x @ A.T is computed in the same launch: the first blocks of the grid are A's 16-row blocks in K
-slices writing fp32 partials; the weight blocks wait for them with an acquire load, sum them in a fixed order and
-the last weight block resets the flags (CUDA-graph safe). (cluster, warps) come from `model_time`, fitted to an
-H100 sweep. Built once per device by NVRTC (libnvrtc and the CUDA headers ship with CUDA builds of torch) or nvcc,
-launched through the driver API on torch's current stream. Outside the envelope (fp16/fp32 x, K % 128, N or
-segment bounds % 16, more rows) the Triton kernel runs.
+slices writing fp32 partials; in each weight block the other warps wait for them with an acquire load and sum them
+in a fixed order into shared memory while warp 0 sums the block's partial tiles, and the last weight block resets
+the flags (CUDA-graph safe). (cluster, warps) come from `model_time`, fitted to an H100 sweep. Built once per device
+by NVRTC (libnvrtc and the CUDA headers ship with CUDA builds of torch) or nvcc, launched through the driver API on
+torch's current stream. Outside the envelope (fp16/fp32 x, K % 128, N or segment bounds % 16, more rows) the Triton
+kernel runs.
 
-H100, 7B shapes (session 7, `python -m qerl.bench.cuda_gemv --wired`, one run): all Linear layers of a decoder
-layer (stacked q|k|v and gate|up) 73.0 / 78.3 us at M = 1 / 8 vs Triton 85.4 / 85.9 and bf16 193.0 / 193.6
-(2.64 / 2.47x bf16); the whole call with bias and LoRA r 16 (x @ A.T included) 84.6 / 99.7 vs Triton 108.2 /
-108.7 us. At 9-16 rows the two-tile kernel lost to Triton on gate|up and down (61 vs 43 us), so "auto" stops at 8.
+H100, 7B shapes (session 8, `python -m qerl.bench.cuda_gemv --wired --lora-rank 32`, one run): all Linear layers
+of a decoder layer (stacked q|k|v and gate|up) 71.3 / 76.0 us at M = 1 / 8 vs Triton 85.5 / 85.4 and bf16 199.0 /
+200.4 (2.79 / 2.64x bf16); the whole call with bias and LoRA r 32 (x @ A.T included) 82.2 / 92.0 vs Triton 110.0 /
+109.6 us. At 9-16 rows the two-tile kernel lost to Triton on gate|up and down (61 vs 43 us, session 7), so "auto"
+stops at 8.
 """
 from __future__ import annotations
 

@@ -30,6 +30,9 @@ def test_markdown_names_the_kernel_of_each_row():
     lines = kernels.markdown(result).splitlines()
     assert "| 23.0 (cuda) |" in lines[4] and "| 23.0 (triton) |" in lines[5]
     assert "| 23.0 (triton) |" in lines[6]  # rows from before the column: the Triton kernel
+    assert "| 55.0 | - | 23.0 (cuda) |" in lines[4] and "nan" not in "\n".join(lines)  # --no-naive: "-"
+    timed = {**row, "naive_us": 690.0, "speedup_vs_naive": 30.0}
+    assert "| 55.0 | 690.0 | 23.0 (cuda) |" in kernels.markdown({**result, "rows": [timed]}).splitlines()[4]
 
 
 def test_env_var_is_set_inside_and_restored_after(monkeypatch):
