@@ -109,7 +109,7 @@ def fp4_kernel(x: torch.Tensor, weight_packed: torch.Tensor, n: int, k: int) -> 
 
     if cuda_fp4.supports(x, weight_packed, n, k, n, n):
         return "cuda"
-    return "dense" if x.shape[0] >= tf.DENSE_MIN_ROWS else "triton"
+    return "dense" if tf._use_dense("auto", x.shape[0], None) else "triton"
 
 
 def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bool = True) -> dict:

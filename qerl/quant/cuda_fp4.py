@@ -52,6 +52,7 @@ AUTO_ROWS = 8  # default-on limit: at 9-16 rows the two-tile kernel lost to Trit
 MAX_WARPS = 16  # the kernels' __launch_bounds__ (32 x MAX_WARPS threads)
 MAX_FUSED_RANK = 128  # x @ A.T in the same launch up to this LoRA rank (its M x R bf16 tile in shared memory)
 
+
 def _decode8() -> str:
     """decode8(w, s2, o0..o3): qerl.quant.ptx's E2M1 -> bf16 PTX (the same text the Triton kernels inline and the
     CPU emulator test checks) as a CUDA asm block, one scale pair s2 for all four output registers."""
@@ -745,7 +746,6 @@ def fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, 
 
     def ptr(t):
         return ctypes.c_void_p(0 if t is None else t.data_ptr())
-
 
     args = [ptr(wp), ptr(ws), ptr(gs), ptr(x2), ctypes.c_int(x2.stride(0)), ptr(out), ctypes.c_int(out.stride(0)),
             ptr(b), ptr(xa), ctypes.c_int(0 if xa is None else xa.stride(0)), ptr(lb),
