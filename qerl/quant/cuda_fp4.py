@@ -99,19 +99,35 @@ struct Chunk {
   uint4 x[NT][4];
 };
 
-// chunk c (128 weights per row) of rows g and g + 8 for lane (g, t): 16 B of each row, its two group scales and
-// 32 bf16 of x rows nt * 8 + g (zeros past M). TILED: W re-laid out as [N / 16][K / 128][16 rows][64 B]
-// (qerl.bench.cuda_gemv).
+__device__ __forceinline__ void grid_dep_wait() {  // programmatic dependent launch: the previous kernel is done
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dep_launch() {  // the next kernel may start launching (it waits for us)
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// chunk c (128 weights per row) of rows g and g + 8 for lane (g, t): 16 B of each row and its two group scales.
+// TILED: W re-laid out as [N / 16][K / 128][16 rows][64 B] (qerl.bench.cuda_gemv).
 template <bool TILED, int NT>
-__device__ __forceinline__ void load_chunk(Chunk<NT> &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
-                                           const uint8_t *sg8, const __nv_bfloat16 *const *xg, const bool *xok,
-                                           int c, int t) {
+__device__ __forceinline__ void load_w(Chunk<NT> &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
+                                       const uint8_t *sg8, int c, int t) {
   const int kb = TILED ? c * 1024 + 16 * t : c * 64 + 16 * t;
   ch.wa = __ldg(reinterpret_cast<const uint4 *>(wg + kb));
   ch.wb = __ldg(reinterpret_cast<const uint4 *>(wg8 + kb));
   const int gi = c * 8 + 2 * t;
   ch.sa = __ldg(reinterpret_cast<const unsigned short *>(sg + gi));
   ch.sb = __ldg(reinterpret_cast<const unsigned short *>(sg8 + gi));
+}
+
+// the 32 bf16 of x rows nt * 8 + g that chunk c of lane (g, t) multiplies (zeros past M)
+template <int NT>
+__device__ __forceinline__ void load_x(Chunk<NT> &ch, const __nv_bfloat16 *const *xg, const bool *xok, int c,
+                                       int t) {
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) {
     if (xok[nt]) {
@@ -123,6 +139,14 @@ __device__ __forceinline__ void load_chunk(Chunk<NT> &ch, const uint8_t *wg, con
       for (int i = 0; i < 4; i++) ch.x[nt][i] = make_uint4(0, 0, 0, 0);
     }
   }
+}
+
+template <bool TILED, int NT>
+__device__ __forceinline__ void load_chunk(Chunk<NT> &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
+                                           const uint8_t *sg8, const __nv_bfloat16 *const *xg, const bool *xok,
+                                           int c, int t) {
+  load_w<TILED, NT>(ch, wg, wg8, sg, sg8, c, t);
+  load_x<NT>(ch, xg, xok, c, t);
 }
 
 template <int NT>
@@ -168,8 +192,13 @@ __device__ __forceinline__ void accumulate(float (*acc)[4], const uint8_t *wp, c
     xok[nt] = nt * 8 + g < M;
     xg[nt] = x + (size_t)(xok[nt] ? nt * 8 + g : 0) * sxm;
   }
+  // the first chunk's weights are requested before waiting for the previous kernel (they are not its output:
+  // with programmatic dependent launch this overlaps its end), its x after
   Chunk<NT> ca, cb;
-  if (c0 < c1) load_chunk<TILED, NT>(ca, wg, wg8, sg, sg8, xg, xok, c0, t);
+  if (c0 < c1) load_w<TILED, NT>(ca, wg, wg8, sg, sg8, c0, t);
+  grid_dep_wait();
+  grid_dep_launch();
+  if (c0 < c1) load_x<NT>(ca, xg, xok, c0, t);
   for (int c = c0; c < c1; c += 2) {
     if (c + 1 < c1) load_chunk<TILED, NT>(cb, wg, wg8, sg, sg8, xg, xok, c + 1, t);
     compute_chunk<NT>(ca, acc);
@@ -313,7 +342,8 @@ __device__ __forceinline__ float ld_cluster(const float *p, int rank) {  // p in
 // count themselves in flags[0]; in each weight block, warps 1..W-1 (warp 0 when W = 1) wait for all of them (they
 // were dispatched first) and sum the partials in a fixed order into shared memory while warp 0 sums the block's
 // partial tiles; the last weight block to finish resets flags[0..1] for the next launch (CUDA-graph safe,
-// deterministic).
+// deterministic). With programmatic dependent launch, the first weight loads overlap the end of the previous kernel
+// (accumulate); nothing is read from it or written before griddepcontrol.wait.
 template <int NT, int S>
 __device__ __forceinline__ void fp4_mm_body(
     const uint8_t *__restrict__ wp, const uint8_t *__restrict__ ws, const float *__restrict__ gs,
@@ -335,6 +365,7 @@ __device__ __forceinline__ void fp4_mm_body(
   for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   if (a_block) {
     const int lo = C * ks / SA, n = C * (ks + 1) / SA - lo;
+    grid_dep_wait();  // x is the previous kernel's output
     accumulate_bf16<NT>(acc, la, sla, x, sxm, M, RA, r0, lo + n * p / P, lo + n * (p + 1) / P);
   } else
     accumulate<false, NT>(acc, wp, ws, x, sxm, M, N, K, rb, C * p / P, C * (p + 1) / P);
@@ -560,11 +591,56 @@ class CudaModule:
                     f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
         return n.value
 
-    def launch(self, name: str, grid: tuple[int, int], block: int, args: list) -> None:
+    def launch(self, name: str, grid: tuple[int, int], block: int, args: list, pdl: bool = False) -> None:
+        """pdl: programmatic dependent launch (sm_90+): the kernel may start while the previous kernel on the stream
+        finishes and waits for it with griddepcontrol.wait before touching its output."""
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-        self._check(self._cuda.cuLaunchKernel(self.functions[name], grid[0], grid[1], 1, block, 1, 1, 0,
-                                              ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), params,
-                                              None), f"cuLaunchKernel({name})")
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        if not pdl:
+            self._check(self._cuda.cuLaunchKernel(self.functions[name], grid[0], grid[1], 1, block, 1, 1, 0, stream,
+                                                  params, None), f"cuLaunchKernel({name})")
+            return
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value.int_value = 1
+        config = _LaunchConfig(grid[0], grid[1], 1, block, 1, 1, 0, stream, ctypes.pointer(attr), 1)
+        self._check(self._cuda.cuLaunchKernelEx(ctypes.byref(config), self.functions[name], params, None),
+                    f"cuLaunchKernelEx({name})")
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+
+
+class _LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: a 64-byte union
+    _fields_ = [("pad", ctypes.c_char * 64), ("int_value", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def pdl_mode() -> str:
+    """QERL_PDL: "auto" (default: programmatic dependent launch on sm_90+ while a CUDA graph is being captured, the
+    decode step's case), "1" (on sm_90+ for every launch), "0" (off). With it a launch starts loading its weights
+    while the previous kernel finishes: the FP4 base must not be written by the kernel just before the matmul
+    (it never is in a captured decode step; "1" puts eager launches under the same rule)."""
+    value = os.environ.get("QERL_PDL", "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"QERL_PDL: expected auto, 0 or 1, got {value!r}")
+    return value
+
+
+def use_pdl(device_index: int) -> bool:
+    how = pdl_mode()
+    if how == "0" or not _hopper(device_index):
+        return False
+    return how == "1" or torch.cuda.is_current_stream_capturing()
 
 
 def mode() -> str:
@@ -754,10 +830,10 @@ def fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, 
             ctypes.c_int(0 if la is None else la.stride(0)), ctypes.c_int(sa), ptr(xw), ptr(flags)]
     grid, name = ((n // 16 + a_units) * cluster, 1), kernel_name(nt, cluster)
     if dev == torch.cuda.current_device():
-        _module(dev).launch(name, grid, 32 * warps, args)
+        _module(dev).launch(name, grid, 32 * warps, args, pdl=use_pdl(dev))
     else:  # the context, stream and workspace of x's device
         with torch.cuda.device(dev):
-            _module(dev).launch(name, grid, 32 * warps, args)
+            _module(dev).launch(name, grid, 32 * warps, args, pdl=use_pdl(dev))
     return out
 
 

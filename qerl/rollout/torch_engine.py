@@ -227,8 +227,8 @@ class TorchEngine(RolloutEngine):
 
     def _decode_forward_fn(self):
         if self._forward is None:
-            self._forward = (torch.compile(_decode_forward, dynamic=True) if self.use_compile
-                             else _decode_forward)
+            self._forward = (torch.compile(_decode_forward, dynamic=True, options=_compile_options(self.device))
+                             if self.use_compile else _decode_forward)
         return self._forward
 
     def _fall_back(self, what: str, exc: Exception):
@@ -372,6 +372,20 @@ class _StaticDecoder:
 def _decode_forward(model, tok, mask, pos, cache):
     out = model(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
     return out.logits[:, -1].float()
+
+
+def _compile_options(device: torch.device) -> dict:
+    """Inductor options of the decode forward: its Triton kernels with programmatic dependent launch on Hopper+
+    (each starts while the previous kernel finishes and waits for it before reading its output; QERL_PDL=0 turns
+    it off, as for qerl.quant.cuda_fp4's launches) where this torch's inductor has the option."""
+    from torch._inductor import config as inductor_config
+
+    from qerl.quant.cuda_fp4 import pdl_mode
+
+    if (device.type == "cuda" and pdl_mode() != "0" and hasattr(inductor_config.triton, "enable_pdl")
+            and torch.cuda.get_device_capability(device)[0] >= 9):
+        return {"triton.enable_pdl": True}
+    return {}
 
 
 def _compute_dtype(model) -> torch.dtype:

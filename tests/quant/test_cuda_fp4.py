@@ -217,6 +217,58 @@ def test_lora_ranks_that_are_not_multiples_of_16(on, rank, unfused, monkeypatch)
     assert frob < 5e-3 and worst < 2e-2, f"rank {rank}: rel err {frob:.2e}, max {worst:.2e}"
 
 
+def test_pdl_modes_and_the_driver_structs(monkeypatch):
+    import ctypes
+
+    monkeypatch.delenv("QERL_PDL", raising=False)
+    assert cuda_fp4.pdl_mode() == "auto"
+    monkeypatch.setenv("QERL_PDL", " 1")
+    assert cuda_fp4.pdl_mode() == "1"
+    monkeypatch.setenv("QERL_PDL", "on")
+    with pytest.raises(ValueError, match="QERL_PDL"):
+        cuda_fp4.pdl_mode()
+    # cuda.h: CUlaunchAttribute = {id, pad to 8, 64-byte value union}; CUlaunchConfig = 7 unsigned, stream,
+    # attrs, numAttrs (64-bit pointers)
+    assert ctypes.sizeof(cuda_fp4._LaunchAttribute) == 72 and cuda_fp4._LaunchAttribute.value.offset == 8
+    assert cuda_fp4._LaunchConfig.stream.offset == 32 and cuda_fp4._LaunchConfig.attrs.offset == 40
+    assert ctypes.sizeof(cuda_fp4._LaunchConfig) == 56
+
+
+@gpu
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_dependent_launches_read_the_previous_output(on, pdl, monkeypatch):
+    """A chain y_i+1 = f(y_i) of fused-LoRA launches (each reads the output and reuses the workspace of the one
+    before) with programmatic dependent launch gives the bits of the chain without it."""
+    (x, packed, scale, gs, bias, a, b), _ = _case((1024,), 8, k=1024, rank=16)
+
+    def chain():
+        y = x
+        for _ in range(3):
+            for _ in range(2):  # back to back: the second launch's predecessor is the first
+                y = cuda_fp4.fp4_matmul_cuda(y, packed, scale, gs, bias, None, b, 0.5, 1024, 1024, lora_a=a)
+            y = y / y.float().square().mean().sqrt().to(y.dtype)  # a torch kernel in between; bounded scale
+        return y
+
+    monkeypatch.setenv("QERL_PDL", "0")
+    plain = chain()
+    monkeypatch.setenv("QERL_PDL", pdl)
+    assert cuda_fp4.use_pdl(x.device.index or 0) == (pdl == "1" and torch.cuda.get_device_capability()[0] >= 9)
+    torch.testing.assert_close(chain(), plain, rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("config", [(1, 4), (2, 2)])
+def test_more_lora_a_units_than_weight_blocks(on, config):
+    """N = 16 (one weight block) and rank 64 over K = 4096: more x @ A.T units than weight blocks."""
+    if config[0] > 1 and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("clusters need sm_90")
+    (x, packed, scale, gs, bias, a, b), ref = _case((16,), 3, k=4096, rank=64)
+    assert -(-a.shape[0] // 16) * cuda_fp4.a_splits(4096, *config) > 1
+    out = cuda_fp4.fp4_matmul_cuda(x, packed, scale, gs, bias, None, b, 0.5, 16, 16, config=config, lora_a=a)
+    frob, worst = _err(out, ref)
+    assert frob < 5e-3 and worst < 2e-2, f"rel err {frob:.2e}, max {worst:.2e}"
+
+
 @gpu
 def test_cuda_graph_replay_equals_eager(on):
     (x, packed, scale, gs, bias, a, b), ref = _case((3584, 512, 512), 8, k=3584)

@@ -346,3 +346,20 @@ def test_bench_writes_json_with_equal_work_per_engine(tiny_model_dir, tmp_path):
     assert [r["engine"] for r in result["results"]] == ["torch", "hf"]
     assert [r["tokens"] for r in result["results"]] == [2 * 2 * 3] * 2
     assert result["dtype"] == "float32" and not list(out.parent.glob("*.tmp"))
+
+
+def test_decode_compile_options_ask_for_pdl_only_on_hopper(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    from qerl.rollout.torch_engine import _compile_options
+
+    assert _compile_options(torch.device("cpu")) == {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _dev=None: (9, 0))
+    expected = {"triton.enable_pdl": True} if hasattr(inductor_config.triton, "enable_pdl") else {}
+    monkeypatch.delenv("QERL_PDL", raising=False)
+    assert _compile_options(torch.device("cuda", 0)) == expected
+    monkeypatch.setenv("QERL_PDL", "0")
+    assert _compile_options(torch.device("cuda", 0)) == {}
+    monkeypatch.setenv("QERL_PDL", "auto")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _dev=None: (8, 0))
+    assert _compile_options(torch.device("cuda", 0)) == {}
