@@ -114,6 +114,15 @@ def _load_rows(a_ptr, rows, cols, R, C, sr, sc, EVEN_R: tl.constexpr, EVEN_C: tl
 
 
 @triton.jit
+def _grid_dependency(PDL: tl.constexpr):
+    """With programmatic dependent launch (the launch's launch_pdl): wait until the previous kernel has finished
+    (its output and the shared split-K workspace are then safe), then let the next kernel start launching."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """Grouped program order (GROUP_M row tiles share each weight tile while it is in L2)."""
     pid = tl.program_id(0)
@@ -204,14 +213,17 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
                    xa_ptr, lb_ptr, R, sxa, slb, lora_scale, N1, N2,
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr,
-                   EVEN_M: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, SWAP_AB: tl.constexpr):
+                   EVEN_M: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, SWAP_AB: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """out (M, N) = x (M, K) @ deq(W).T (+ bias) (+ lora_scale * xa @ lora_b.T); program (tile, split) reduces
     K-tiles [split*T, (split+1)*T).
 
     W may stack up to three weights along N (rows [0, N1), [N1, N2), [N2, N): e.g. q, k and v), each with its own
     global scale gs[seg] and its own LoRA A columns xa[:, seg*R:(seg+1)*R]; BN divides N1 and N2. SWAP_AB computes
     out.T = W @ x.T (W as the MMA's A operand, the few x rows as its N): fewer SASS instructions per weight for
-    few-row x in some tiles (counted on the cubin, sm_90), an option of the config sweep, not a default."""
+    few-row x in some tiles (counted on the cubin, sm_90), an option of the config sweep, not a default. PDL:
+    launched with programmatic dependent launch (sm_90+), waits for the previous kernel before any memory access."""
+    _grid_dependency(PDL)
     tile, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, GROUP_M, SPLIT)
     rn = offs_n % N  # wrapped weight rows load real data; only the store is masked
     offs_k = tl.arange(0, BK)
@@ -270,9 +282,10 @@ def _fp4_mm_t_kernel(g_ptr, wp_ptr, ws_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
 @triton.jit
 def _small_mm_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+                     EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False):
     """out (M, N) = x (M, K) @ w (N, K).T for few rows and a narrow dense w (a LoRA A): one launch, split-K
     partials summed by the last program (cuBLAS takes a GEMM plus a separate split-K reduction kernel)."""
+    _grid_dependency(PDL)
     tile, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, 1, SPLIT)
     offs_k = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -442,8 +455,15 @@ def small_matmul(x2: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
     _small_mm_kernel[(tiles, split)](
         x2, w, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0),
         out.stride(1), BM=bm, BN=bn, BK=bk, SPLIT=split, EVEN_K=k % bk == 0, EVEN_M=m % bm == 0,
-        EVEN_N=n % bn == 0, num_warps=4, num_stages=3)
+        EVEN_N=n % bn == 0, num_warps=4, num_stages=3, **_pdl_options(x2.device))
     return out
+
+
+def _pdl_options(device: torch.device) -> dict:
+    """Launch options of the decode kernels: programmatic dependent launch where qerl.quant.cuda_fp4.use_pdl says
+    (QERL_PDL; by default on sm_90+ during CUDA-graph capture)."""
+    pdl = cuda_fp4.use_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
 
 
 def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=None, lora_a=None, lora_b=None,
@@ -502,7 +522,7 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
         HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
         USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, HAS_LORA=xa is not None,
         RP=max(16, triton.next_power_of_2(max(r, 1))), SWAP_AB=cfg.swap_ab, num_warps=cfg.warps,
-        num_stages=cfg.stages,
+        num_stages=cfg.stages, **_pdl_options(x.device),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.reshape(*lead, n)
 

@@ -236,16 +236,17 @@ def test_pdl_modes_and_the_driver_structs(monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("pdl", ["1", "0"])
-def test_dependent_launches_read_the_previous_output(on, pdl, monkeypatch):
-    """A chain y_i+1 = f(y_i) of fused-LoRA launches (each reads the output and reuses the workspace of the one
-    before) with programmatic dependent launch gives the bits of the chain without it."""
-    (x, packed, scale, gs, bias, a, b), _ = _case((1024,), 8, k=1024, rank=16)
+@pytest.mark.parametrize("rows", [8, 40])  # the CUDA kernel (x @ A.T inside); Triton's small_matmul + FP4 kernel
+def test_dependent_launches_read_the_previous_output(on, pdl, rows, monkeypatch):
+    """A chain y_i+1 = f(y_i) of LoRA matmuls (each reads the output and reuses the workspace of the one before)
+    with programmatic dependent launch gives the bits of the chain without it."""
+    (x, packed, scale, gs, bias, a, b), _ = _case((1024,), rows, k=1024, rank=16)
 
     def chain():
         y = x
         for _ in range(3):
             for _ in range(2):  # back to back: the second launch's predecessor is the first
-                y = cuda_fp4.fp4_matmul_cuda(y, packed, scale, gs, bias, None, b, 0.5, 1024, 1024, lora_a=a)
+                y = on.fp4_matmul_triton(y, packed, scale, gs, bias, a, b, 0.5)
             y = y / y.float().square().mean().sqrt().to(y.dtype)  # a torch kernel in between; bounded scale
         return y
 

@@ -65,6 +65,24 @@ def _decode_case(b, heads, kv_heads, length, d, seed, dtype=torch.bfloat16):
 
 
 @pytest.mark.gpu
+def test_triton_kernel_with_programmatic_dependent_launch(monkeypatch):
+    """QERL_PDL=1: the kernels wait for the kernel that wrote q/k/v (and the combine for the splits) - the bits of
+    the plain launches, directly after a torch kernel that produced the query."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs sm_90")
+    from qerl.rollout.triton_attention import gqa_decode_attention
+
+    q, k, v, keep = _decode_case(8, 28, 4, 1281, 128, seed=5)
+    outs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("QERL_PDL", pdl)
+        outs[pdl] = [gqa_decode_attention(q * 1.5, k, v, keep, 0.1, split=s) for s in (1, 7)]
+    for a, b in zip(outs["0"], outs["1"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads,kv_heads,d", [(28, 4, 128), (40, 8, 128), (8, 8, 64), (12, 2, 64)])
 @pytest.mark.parametrize("b,length", [(1, 37), (3, 300), (64, 1281)])
 def test_triton_kernel_matches_float64(heads, kv_heads, d, b, length):
