@@ -465,8 +465,20 @@ def _pad_id(model, tokenizer, eos_ids) -> int:
 
 @contextlib.contextmanager
 def _inference_mode(model):
-    """eval() for the call (no dropout, no gradient checkpointing), each module's own mode restored after."""
+    """eval() for the call (no dropout, no gradient checkpointing), each module's own mode restored after; the
+    input-embedding hooks that gradient checkpointing with adapters installs (transformers'
+    `enable_input_require_grads`, peft's fallback: `output.requires_grad_(True)`) are lifted meanwhile: useless
+    without autograd, and torch.compile cannot trace them - the graph break (inside transformers' forward
+    wrappers) left the model forward uncompiled and each layer compiled on its own, past dynamo's recompile limit
+    (8) the later layers not at all."""
     modes = [(m, m.training) for m in model.modules()]
+    lifted = []
+    for m in model.modules():
+        hooks = [(k, h) for k, h in m._forward_hooks.items() if getattr(h, "__name__", "") in _INPUT_GRAD_HOOKS]
+        for k, _ in hooks:
+            del m._forward_hooks[k]
+        if hooks:
+            lifted.append((m, hooks))
     model.eval()
     try:
         with torch.inference_mode():
@@ -474,3 +486,10 @@ def _inference_mode(model):
     finally:
         for m, training in modes:
             m.training = training
+        for m, hooks in lifted:  # back in registration order (handle ids increase)
+            merged = sorted([*m._forward_hooks.items(), *hooks], key=lambda item: item[0])
+            m._forward_hooks.clear()
+            m._forward_hooks.update(merged)
+
+
+_INPUT_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")  # transformers', peft's

@@ -234,6 +234,31 @@ def test_gradient_checkpointing_model_still_uses_cache(tiny_model_dir, prompts):
     assert out.completion_ids == ref.completion_ids and model.training
 
 
+def test_input_require_grads_hooks_are_off_during_a_call_and_back_after(tiny_model_dir, prompts):
+    """peft + gradient checkpointing hook the input embeddings (`output.requires_grad_(True)`), which
+    torch.compile cannot trace: the engine lifts them for the call and puts them back for training."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    model.enable_input_require_grads()
+    emb = model.get_input_embeddings()
+    hooks_before = len(emb._forward_hooks)
+    assert hooks_before >= 1
+    seen = []
+    spy = emb.register_forward_pre_hook(lambda module, args: seen.append(len(module._forward_hooks)))
+    model.train()
+    out = TorchEngine(model, tok, eos_token_ids=()).generate(prompts, 1, SamplingParams(temperature=0, max_tokens=3))
+    spy.remove()
+    assert seen and set(seen) == {0}  # no forward hook on the embeddings during the call
+    assert len(emb._forward_hooks) == hooks_before  # back for training: gradients reach the embeddings' output
+    ids = torch.tensor([out.prompt_ids[0] + out.completion_ids[0]])
+    assert model(input_ids=ids).logits.requires_grad
+
+
 def test_output_helpers(model_and_tok, prompts):
     model, tok = model_and_tok
     out = make_engine("torch", model, tok).generate(prompts, 2, SamplingParams(max_tokens=4, seed=0))
@@ -363,3 +388,28 @@ def test_decode_compile_options_ask_for_pdl_only_on_hopper(monkeypatch):
     monkeypatch.setenv("QERL_PDL", "auto")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _dev=None: (8, 0))
     assert _compile_options(torch.device("cuda", 0)) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 64])  # the compiled matmul attention; the Triton kernel (a program per SM)
+def test_compiled_decode_step_is_one_graph_for_every_layer(tokenizer_dir, rows):
+    """12 bf16 layers with LoRA, groups and the CUDA graph: torch.compile traces the decode forward without a
+    graph break, so no layer's forward is compiled on its own (one per layer index, past dynamo's recompile
+    limit of 8 the later layers would run uncompiled)."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoTokenizer
+
+    from qerl.bench.random_models import attach_lora, build_random_model, qwen25_config
+
+    config = qwen25_config("7B", hidden_size=256, intermediate_size=512, num_hidden_layers=12,
+                           num_attention_heads=4, num_key_value_heads=2)
+    model = attach_lora(build_random_model(config, fp4=False), r=8, fp4=False)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    engine = TorchEngine(model, tok, eos_token_ids=())
+    torch._dynamo.reset()
+    counters.clear()
+    out = engine.generate([[1, 2, 3, 4, 5]] * rows, 1, SamplingParams(temperature=1.0, max_tokens=8, seed=0))
+    assert out.stats["graph_replays"] > 0 and engine.use_compile
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    engine.close()
