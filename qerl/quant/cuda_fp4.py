@@ -632,10 +632,7 @@ def pdl_mode() -> str:
     decode step's case), "1" (on sm_90+ for every launch), "0" (off). With it a launch starts loading its weights
     while the previous kernel finishes: the FP4 base must not be written by the kernel just before the matmul
     (it never is in a captured decode step; "1" puts eager launches under the same rule)."""
-    value = os.environ.get("QERL_PDL", "auto").strip().lower()
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"QERL_PDL: expected auto, 0 or 1, got {value!r}")
-    return value
+    return _auto_on_off("QERL_PDL")
 
 
 def use_pdl(device_index: int) -> bool:
@@ -649,9 +646,13 @@ def mode() -> str:
     """QERL_FP4_CUDA: "auto" (default; rows <= AUTO_ROWS on sm_90+, where it was measured faster than Triton,
     falling back to Triton with one warning when no compiler is found), "1" (rows <= MAX_ROWS on sm_89+, build
     errors raise), "0" (off: the Triton kernel)."""
-    value = os.environ.get("QERL_FP4_CUDA", "auto").strip().lower()
+    return _auto_on_off("QERL_FP4_CUDA")
+
+
+def _auto_on_off(name: str) -> str:
+    value = os.environ.get(name, "auto").strip().lower()
     if value not in ("auto", "0", "1"):
-        raise ValueError(f"QERL_FP4_CUDA: expected auto, 0 or 1, got {value!r}")
+        raise ValueError(f"{name}: expected auto, 0 or 1, got {value!r}")
     return value
 
 

@@ -10,14 +10,20 @@ COMPILERS = cuda_fp4.compilers()
 HAS_COMPILER = bool(COMPILERS)
 
 
-def test_modes_and_cpu_outside_the_envelope(monkeypatch):
-    monkeypatch.delenv("QERL_FP4_CUDA", raising=False)
-    assert cuda_fp4.mode() == "auto"
-    monkeypatch.setenv("QERL_FP4_CUDA", " 0 ")
-    assert cuda_fp4.mode() == "0"
-    monkeypatch.setenv("QERL_FP4_CUDA", "yes")
-    with pytest.raises(ValueError, match="QERL_FP4_CUDA"):
-        cuda_fp4.mode()
+@pytest.mark.parametrize("name,read", [("QERL_FP4_CUDA", cuda_fp4.mode), ("QERL_PDL", cuda_fp4.pdl_mode)])
+def test_env_modes(monkeypatch, name, read):
+    monkeypatch.delenv(name, raising=False)
+    assert read() == "auto"
+    monkeypatch.setenv(name, " 0 ")
+    assert read() == "0"
+    monkeypatch.setenv(name, "1")
+    assert read() == "1"
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=name):
+        read()
+
+
+def test_cpu_is_outside_the_envelope(monkeypatch):
     monkeypatch.setenv("QERL_FP4_CUDA", "1")
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     assert not cuda_fp4.supports(x, torch.zeros(32, 128, dtype=torch.uint8), 32, 256, 32, 32)
@@ -217,16 +223,9 @@ def test_lora_ranks_that_are_not_multiples_of_16(on, rank, unfused, monkeypatch)
     assert frob < 5e-3 and worst < 2e-2, f"rank {rank}: rel err {frob:.2e}, max {worst:.2e}"
 
 
-def test_pdl_modes_and_the_driver_structs(monkeypatch):
+def test_launch_structs_match_cuda_h():
     import ctypes
 
-    monkeypatch.delenv("QERL_PDL", raising=False)
-    assert cuda_fp4.pdl_mode() == "auto"
-    monkeypatch.setenv("QERL_PDL", " 1")
-    assert cuda_fp4.pdl_mode() == "1"
-    monkeypatch.setenv("QERL_PDL", "on")
-    with pytest.raises(ValueError, match="QERL_PDL"):
-        cuda_fp4.pdl_mode()
     # cuda.h: CUlaunchAttribute = {id, pad to 8, 64-byte value union}; CUlaunchConfig = 7 unsigned, stream,
     # attrs, numAttrs (64-bit pointers)
     assert ctypes.sizeof(cuda_fp4._LaunchAttribute) == 72 and cuda_fp4._LaunchAttribute.value.offset == 8
