@@ -468,9 +468,9 @@ def _inference_mode(model):
     """eval() for the call (no dropout, no gradient checkpointing), each module's own mode restored after; the
     input-embedding hooks that gradient checkpointing with adapters installs (transformers'
     `enable_input_require_grads`, peft's fallback: `output.requires_grad_(True)`) are lifted meanwhile: useless
-    without autograd, and torch.compile cannot trace them - the graph break (inside transformers' forward
-    wrappers) left the model forward uncompiled and each layer compiled on its own, past dynamo's recompile limit
-    (8) the later layers not at all."""
+    without autograd, and torch.compile (2.11, the GPU image's) cannot trace them: the graph break, inside a
+    transformers context manager, left the model forward uncompiled and each layer compiled on its own, past
+    dynamo's recompile limit (8) the later layers not at all (BENCHMARKS.md, session 9)."""
     modes = [(m, m.training) for m in model.modules()]
     lifted = []
     for m in model.modules():
