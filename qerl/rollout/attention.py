@@ -50,6 +50,13 @@ def _triton_ok(device_index: int) -> bool:
             and torch.cuda.get_device_capability(device_index) >= (8, 0))
 
 
+@torch.compiler.assume_constant_result
+def _kernel_programs(device_index: int) -> int:
+    """target_programs of the device, 0 where the Triton kernel cannot run: a constant to torch.compile, which
+    (2.11) cannot trace find_spec and broke the decode graph in every attention layer that reached the check."""
+    return target_programs(torch.device("cuda", device_index)) if _triton_ok(device_index) else 0
+
+
 def _fused_decode(query, key, value, attention_mask) -> bool:
     """Whether this call takes the Triton kernel. QERL_DECODE_ATTENTION: "torch" never, "triton" wherever it
     applies, "auto" (default) from one (row, KV head) program per SM on: measured in TorchEngine (7B FP4, H100,
@@ -59,15 +66,15 @@ def _fused_decode(query, key, value, attention_mask) -> bool:
     if choice == "torch" or not query.is_cuda:
         return False
     b, h, t, d = query.shape
-    if choice != "triton" and b * key.shape[1] < target_programs(query.device) // 2:  # one program per SM
+    programs = _kernel_programs(query.device.index)
+    if programs == 0 or (choice != "triton" and b * key.shape[1] < programs // 2):  # one program per SM
         return False
     return (t == 1 and attention_mask is not None and attention_mask.dtype == torch.bool
             and attention_mask.shape[1:3] == (1, 1) and attention_mask.shape[0] == b
             and attention_mask.shape[-1] == key.shape[2] and attention_mask.stride(-1) == 1
             and query.dtype in (torch.bfloat16, torch.float16) and key.dtype == value.dtype == query.dtype
             and 16 <= d <= 256 and d & (d - 1) == 0 and h % key.shape[1] == 0
-            and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
-            and _triton_ok(query.device.index if query.device.index is not None else torch.cuda.current_device()))
+            and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1)
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

@@ -1,6 +1,7 @@
 """Grouped-query decode attention vs float64 attention over explicitly repeated KV heads."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -62,6 +63,24 @@ def _decode_case(b, heads, kv_heads, length, d, seed, dtype=torch.bfloat16):
     keep &= (cols[None] < filled[:, None]) & (cols[None] >= pad[:, None])
     keep[torch.arange(b), filled - 1] = True  # the current token
     return q, k, v, keep
+
+
+def test_kernel_check_is_a_constant_to_torch_compile(monkeypatch):
+    """The device check of the fused path (find_spec, capability, SM count) compiles without a graph break:
+    torch 2.11 cannot trace find_spec, and the break in every attention layer split the decode graph."""
+    from qerl.rollout import attention
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _dev=None: (9, 0))
+    monkeypatch.setattr(attention, "target_programs", lambda _dev: 264)
+    attention._triton_ok.cache_clear()
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(lambda x: x + attention._kernel_programs(0), fullgraph=True)
+        expected = 264 if importlib.util.find_spec("triton") else 0
+        assert fn(torch.zeros(2)).tolist() == [expected, expected]
+    finally:
+        attention._triton_ok.cache_clear()
+        torch._dynamo.reset()
 
 
 @pytest.mark.gpu

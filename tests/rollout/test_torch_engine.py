@@ -400,7 +400,7 @@ def _graph_breaks_of_a_compiled_decode(tokenizer_dir, device: str, rows: int) ->
     from qerl.bench.random_models import attach_lora, build_random_model, qwen25_config
 
     config = qwen25_config("7B", hidden_size=128 if device == "cpu" else 256, intermediate_size=256,
-                           num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2)
+                           num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = attach_lora(build_random_model(config, fp4=False, device=device, dtype=dtype), r=8, fp4=False)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -425,7 +425,8 @@ def test_compiled_decode_step_is_one_graph_for_every_layer(tokenizer_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 64])  # the compiled matmul attention; the Triton kernel (a program per SM)
+@pytest.mark.parametrize("rows", [2, 64])  # the compiled matmul attention; the Triton kernel (64 x 4 KV heads
+# >= one program per SM)
 def test_compiled_cuda_graph_decode_step_is_one_graph_for_every_layer(tokenizer_dir, rows):
     """The same on the GPU with CUDA graphs, grouped projections and both attention paths."""
     breaks, stats = _graph_breaks_of_a_compiled_decode(tokenizer_dir, "cuda", rows)
