@@ -20,9 +20,9 @@ slices writing fp32 partials; in each weight block the other warps wait for them
 in a fixed order into shared memory while warp 0 sums the block's partial tiles, and the last weight block resets
 the flags (CUDA-graph safe). (cluster, warps) come from `model_time`, fitted to an H100 sweep. Under `QERL_PDL`
 (default: while a CUDA graph is captured, sm_90+) launches use programmatic dependent launch: a CTA requests its
-first weight chunk, then waits (griddepcontrol.wait) for the previous kernel before reading x or writing anything. Built once per device
-by NVRTC (libnvrtc and the CUDA headers ship with CUDA builds of torch) or nvcc, launched through the driver API on
-torch's current stream. Outside the envelope (fp16/fp32 x, K % 128, N or segment bounds % 16, more rows) the Triton
+first weight chunk, then waits (griddepcontrol.wait) for the previous kernel before reading x or writing anything.
+Built once per device by NVRTC (libnvrtc and the CUDA headers ship with CUDA builds of torch) or nvcc, launched
+through the driver API on torch's current stream. Outside the envelope (fp16/fp32 x, K % 128, N or segment bounds % 16, more rows) the Triton
 kernel runs.
 
 H100, 7B shapes (session 8, `python -m qerl.bench.cuda_gemv --wired --lora-rank 32`, one run): all Linear layers

@@ -463,6 +463,9 @@ def _pad_id(model, tokenizer, eos_ids) -> int:
     return 0
 
 
+_INPUT_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")  # transformers', peft's
+
+
 @contextlib.contextmanager
 def _inference_mode(model):
     """eval() for the call (no dropout, no gradient checkpointing), each module's own mode restored after; the
@@ -491,5 +494,3 @@ def _inference_mode(model):
             m._forward_hooks.clear()
             m._forward_hooks.update(merged)
 
-
-_INPUT_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")  # transformers', peft's
