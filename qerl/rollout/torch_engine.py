@@ -493,4 +493,3 @@ def _inference_mode(model):
             merged = sorted([*m._forward_hooks.items(), *hooks], key=lambda item: item[0])
             m._forward_hooks.clear()
             m._forward_hooks.update(merged)
-
