@@ -214,7 +214,7 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr,
                    EVEN_M: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, SWAP_AB: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = False, WAIT_LATE: tl.constexpr = False):
     """out (M, N) = x (M, K) @ deq(W).T (+ bias) (+ lora_scale * xa @ lora_b.T); program (tile, split) reduces
     K-tiles [split*T, (split+1)*T).
 
@@ -222,8 +222,13 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
     global scale gs[seg] and its own LoRA A columns xa[:, seg*R:(seg+1)*R]; BN divides N1 and N2. SWAP_AB computes
     out.T = W @ x.T (W as the MMA's A operand, the few x rows as its N): fewer SASS instructions per weight for
     few-row x in some tiles (counted on the cubin, sm_90), an option of the config sweep, not a default. PDL:
-    launched with programmatic dependent launch (sm_90+), waits for the previous kernel before any memory access."""
-    _grid_dependency(PDL)
+    launched with programmatic dependent launch (sm_90+), waits for the previous kernel before any memory access;
+    with WAIT_LATE only before its first write: the launcher sets it when the previous kernel is the x @ A.T of the
+    same x (small_matmul, which itself waited for x's producer before letting this launch start), so the main loop
+    reads x and W while that kernel still runs, and xa, the output and the shared split-K workspace are touched
+    only after it has finished."""
+    if not WAIT_LATE:
+        _grid_dependency(PDL)
     tile, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, GROUP_M, SPLIT)
     rn = offs_n % N  # wrapped weight rows load real data; only the store is masked
     offs_k = tl.arange(0, BK)
@@ -244,6 +249,8 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
             acc = tl.dot(a, tl.trans(w), acc)
     if SWAP_AB:
         acc = tl.trans(acc_t)
+    if WAIT_LATE:
+        _grid_dependency(PDL)
     seg = (pid_n * BN >= N1).to(tl.int32) + (pid_n * BN >= N2).to(tl.int32)
     acc = acc * (DEQ_GAIN / tl.load(gs_ptr + seg))
     _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
@@ -459,11 +466,17 @@ def small_matmul(x2: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
     return out
 
 
-def _pdl_options(device: torch.device) -> dict:
+# The FP4 kernel after small_matmul's x @ A.T waits for it only before its epilogue (WAIT_LATE in _fp4_mm_kernel)
+LORA_OVERLAP = True
+
+
+def _pdl_options(device: torch.device, wait_late: bool = False) -> dict:
     """Launch options of the decode kernels: programmatic dependent launch where qerl.quant.cuda_fp4.use_pdl says
-    (QERL_PDL; by default on sm_90+ during CUDA-graph capture)."""
+    (QERL_PDL; by default on sm_90+ during CUDA-graph capture); wait_late: the FP4 kernel's WAIT_LATE."""
     pdl = cuda_fp4.use_pdl(device.index if device.index is not None else torch.cuda.current_device())
-    return {"PDL": True, "launch_pdl": True} if pdl else {}
+    if not pdl:
+        return {}
+    return {"PDL": True, "launch_pdl": True, **({"WAIT_LATE": True} if wait_late else {})}
 
 
 def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=None, lora_a=None, lora_b=None,
@@ -522,7 +535,7 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
         HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
         USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, HAS_LORA=xa is not None,
         RP=max(16, triton.next_power_of_2(max(r, 1))), SWAP_AB=cfg.swap_ab, num_warps=cfg.warps,
-        num_stages=cfg.stages, **_pdl_options(x.device),
+        num_stages=cfg.stages, **_pdl_options(x.device, wait_late=LORA_OVERLAP and xa is not None),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.reshape(*lead, n)
 
