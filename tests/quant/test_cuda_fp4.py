@@ -256,6 +256,57 @@ def test_dependent_launches_read_the_previous_output(on, pdl, rows, monkeypatch)
     torch.testing.assert_close(chain(), plain, rtol=0, atol=0)
 
 
+def test_only_the_lora_launch_waits_late_and_only_with_pdl(monkeypatch):
+    """WAIT_LATE (the FP4 kernel reads x and W before waiting for the kernel before it) is asked for only where
+    the launcher knows that kernel is small_matmul's x @ A.T, and only under programmatic dependent launch."""
+    pytest.importorskip("triton")
+    from qerl.quant import triton_fp4
+
+    dev = torch.device("cuda", 0)
+    for pdl in (True, False):
+        monkeypatch.setattr(cuda_fp4, "use_pdl", lambda index, pdl=pdl: pdl)
+        on_lora = triton_fp4._pdl_options(dev, wait_late=True)
+        plain = triton_fp4._pdl_options(dev)
+        assert on_lora == ({"PDL": True, "launch_pdl": True, "WAIT_LATE": True} if pdl else {})
+        assert plain == ({"PDL": True, "launch_pdl": True} if pdl else {})
+
+
+@gpu
+@pytest.mark.parametrize("rows", [24, 40, 64])  # past the CUDA kernel's rows: small_matmul + the Triton kernel
+def test_waiting_late_in_a_graph_gives_the_same_bits(on, rows, monkeypatch):
+    """In a captured CUDA graph (PDL by default on Hopper), a chain of stacked LoRA layers whose x each comes from
+    the FP4 launch right before it (a kernel that writes its output after letting the next launch start): the
+    FP4 kernels that wait late give the bits of those that wait first, and of launches without PDL."""
+    (x, packed, scale, gs, bias, a, b), _ = _case((2048, 1024, 1024), rows, k=4096, rank=32)  # N = K
+
+    def chain(x_in):
+        y = x_in
+        for _ in range(4):  # nothing in between: each x comes straight from the FP4 launch before
+            y = on.fp4_matmul_triton(y, packed, scale, gs, bias, a, b, 0.5, segments=[2048, 1024, 1024])
+        return y
+
+    outs = {}
+    for label, pdl, overlap in (("plain", "0", False), ("first", "auto", False), ("late", "auto", True)):
+        monkeypatch.setenv("QERL_PDL", pdl)
+        monkeypatch.setattr(on, "LORA_OVERLAP", overlap)
+        static_x = x.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(static_x)  # workspace and kernels before capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = chain(static_x)
+        static_x.copy_(x * 2)
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[label] = out.clone()
+    assert outs["plain"].isfinite().all() and outs["plain"].abs().amax() > 0
+    torch.testing.assert_close(outs["first"], outs["plain"], rtol=0, atol=0)
+    torch.testing.assert_close(outs["late"], outs["plain"], rtol=0, atol=0)
+
+
 @gpu
 @pytest.mark.parametrize("config", [(1, 4), (2, 2)])
 def test_more_lora_a_units_than_weight_blocks(on, config):
