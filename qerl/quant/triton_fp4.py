@@ -114,7 +114,7 @@ def _load_rows(a_ptr, rows, cols, R, C, sr, sc, EVEN_R: tl.constexpr, EVEN_C: tl
 
 
 @triton.jit
-def _grid_dependency(PDL: tl.constexpr):
+def grid_dependency(PDL: tl.constexpr):
     """With programmatic dependent launch (the launch's launch_pdl): wait until the previous kernel has finished
     (its output and the shared split-K workspace are then safe), then let the next kernel start launching."""
     if PDL:
@@ -228,7 +228,7 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
     reads x and W while that kernel still runs, and xa, the output and the shared split-K workspace are touched
     only after it has finished."""
     if not WAIT_LATE:
-        _grid_dependency(PDL)
+        grid_dependency(PDL)
     tile, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, GROUP_M, SPLIT)
     rn = offs_n % N  # wrapped weight rows load real data; only the store is masked
     offs_k = tl.arange(0, BK)
@@ -250,7 +250,7 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
     if SWAP_AB:
         acc = tl.trans(acc_t)
     if WAIT_LATE:
-        _grid_dependency(PDL)
+        grid_dependency(PDL)
     seg = (pid_n * BN >= N1).to(tl.int32) + (pid_n * BN >= N2).to(tl.int32)
     acc = acc * (DEQ_GAIN / tl.load(gs_ptr + seg))
     _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
@@ -292,7 +292,7 @@ def _small_mm_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, sxm, sxk
                      EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False):
     """out (M, N) = x (M, K) @ w (N, K).T for few rows and a narrow dense w (a LoRA A): one launch, split-K
     partials summed by the last program (cuBLAS takes a GEMM plus a separate split-K reduction kernel)."""
-    _grid_dependency(PDL)
+    grid_dependency(PDL)
     tile, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, 1, SPLIT)
     offs_k = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -462,7 +462,7 @@ def small_matmul(x2: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
     _small_mm_kernel[(tiles, split)](
         x2, w, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0),
         out.stride(1), BM=bm, BN=bn, BK=bk, SPLIT=split, EVEN_K=k % bk == 0, EVEN_M=m % bm == 0,
-        EVEN_N=n % bn == 0, num_warps=4, num_stages=3, **_pdl_options(x2.device))
+        EVEN_N=n % bn == 0, num_warps=4, num_stages=3, **pdl_options(x2.device))
     return out
 
 
@@ -470,7 +470,7 @@ def small_matmul(x2: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
 LORA_OVERLAP = True
 
 
-def _pdl_options(device: torch.device, wait_late: bool = False) -> dict:
+def pdl_options(device: torch.device, wait_late: bool = False) -> dict:
     """Launch options of the decode kernels: programmatic dependent launch where qerl.quant.cuda_fp4.use_pdl says
     (QERL_PDL; by default on sm_90+ during CUDA-graph capture); wait_late: the FP4 kernel's WAIT_LATE."""
     pdl = cuda_fp4.use_pdl(device.index if device.index is not None else torch.cuda.current_device())
@@ -535,7 +535,7 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
         HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
         USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, HAS_LORA=xa is not None,
         RP=max(16, triton.next_power_of_2(max(r, 1))), SWAP_AB=cfg.swap_ab, num_warps=cfg.warps,
-        num_stages=cfg.stages, **_pdl_options(x.device, wait_late=LORA_OVERLAP and xa is not None),
+        num_stages=cfg.stages, **pdl_options(x.device, wait_late=LORA_OVERLAP and xa is not None),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.reshape(*lead, n)
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from qerl.quant.tiling import target_programs
-from qerl.quant.triton_fp4 import _grid_dependency, _pdl_options
+from qerl.quant.triton_fp4 import grid_dependency, pdl_options
 
 
 @triton.jit
@@ -23,7 +23,7 @@ def _gqa_decode_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, pm_ptr, pl_ptr, pacc_p
                        sqb, sqh, skb, skh, skl, svb, svh, svl, smb, sob, soh,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
                        SPLIT: tl.constexpr, SCAN: tl.constexpr, PDL: tl.constexpr = False):
-    _grid_dependency(PDL)
+    grid_dependency(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -79,7 +79,7 @@ def _gqa_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, o_ptr, sob, soh,
                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
                         PDL: tl.constexpr = False):
     """out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m): the splits of one (row, KV head)."""
-    _grid_dependency(PDL)
+    grid_dependency(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     offs_g = tl.arange(0, GP)
@@ -124,7 +124,7 @@ def gqa_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     else:
         pm = pl = pacc = out
     keep = keep.view(torch.uint8) if keep.dtype == torch.bool else keep
-    pdl = _pdl_options(query.device)  # programmatic dependent launch (QERL_PDL)
+    pdl = pdl_options(query.device)  # programmatic dependent launch (QERL_PDL)
     _gqa_decode_kernel[(b, kv, split)](
         query, key, value, keep, out, pm, pl, pacc, length, float(scale),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),

@@ -265,8 +265,8 @@ def test_only_the_lora_launch_waits_late_and_only_with_pdl(monkeypatch):
     dev = torch.device("cuda", 0)
     for pdl in (True, False):
         monkeypatch.setattr(cuda_fp4, "use_pdl", lambda index, pdl=pdl: pdl)
-        on_lora = triton_fp4._pdl_options(dev, wait_late=True)
-        plain = triton_fp4._pdl_options(dev)
+        on_lora = triton_fp4.pdl_options(dev, wait_late=True)
+        plain = triton_fp4.pdl_options(dev)
         assert on_lora == ({"PDL": True, "launch_pdl": True, "WAIT_LATE": True} if pdl else {})
         assert plain == ({"PDL": True, "launch_pdl": True} if pdl else {})
 
