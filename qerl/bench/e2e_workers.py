@@ -100,9 +100,15 @@ def _rollout_rows(engine, prompts, batch: int, new_tokens: int, seed: int) -> di
 
 
 def _profile_rollout(engine, prompts, batch: int, new_tokens: int, seed: int) -> dict:
-    """GPU kernels of one (already warm) rollout under torch.profiler: what a decode step is made of."""
+    """GPU kernels of one (already warm) rollout under torch.profiler: what a decode step is made of.
+
+    Under programmatic dependent launch (QERL_PDL; on by default in Hopper CUDA graphs) a kernel starts before the
+    one it depends on has finished and its profiled time includes that wait, so the kernel times add up to more
+    than the step's wall time: take per-kernel breakdowns with QERL_PDL=0 (recorded as pdl_mode)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from qerl.quant import cuda_fp4
 
     chosen, n = _batch_of(prompts, batch)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -111,7 +117,8 @@ def _profile_rollout(engine, prompts, batch: int, new_tokens: int, seed: int) ->
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     steps = max(1, new_tokens - 1)
     return {"batch": row["rows"], "new_tokens": new_tokens, "decode_calls": row["decode_calls"],
-            "seconds_profiled": row["seconds"],
+            "seconds_profiled": row["seconds"], "pdl_mode": cuda_fp4.pdl_mode(),
+            "wall_us_per_step": row["seconds"] * 1e6 / steps,
             "kernels_per_step": sum(e.count for e in kernels) / steps,
             "gpu_us_per_step": sum(e.self_device_time_total for e in kernels) / steps,
             "top": [{"name": e.key[:120], "count_per_step": round(e.count / steps, 2),

@@ -14,11 +14,13 @@ import torch
 from qerl.bench import e2e, e2e_report
 from qerl.bench.random_models import build_random_model, decode_weight_bytes, kv_bytes_per_step, qwen25_config
 from qerl.errors import QerlError
+from qerl.quant import cuda_fp4
 from qerl.quant.linear import FP4Linear
 
 TINY = ["--speed-size", "tiny", "--memory", "tiny:fp4,tiny:bf16,tiny:fp4:1:offload", "--batches", "2,4", "--prompts", "2",
         "--group", "2", "--prompt-len", "8", "--new-tokens", "3", "--step-completion", "3",
-        "--memory-completion", "5", "--micro-batch", "2", "--lora-r", "4", "--hf-tokens", "2", "--in-process"]
+        "--memory-completion", "5", "--micro-batch", "2", "--lora-r", "4", "--hf-tokens", "2", "--profile-tokens", "3",
+        "--in-process"]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,10 @@ def test_rollout_and_step_rows(run):
         assert step["rollout_tokens"] == 12 and torch.isfinite(torch.tensor(step["loss"]))
         assert step["step_seconds"] >= step["rollout_seconds"]
         assert res["hf_generate"]["tokens"] == 2 * 2
+        prof = res["profile"]  # CPU: no CUDA kernels, but the step accounting and the PDL mode are there
+        assert (prof["batch"], prof["new_tokens"]) == (2, 3) and prof["pdl_mode"] == cuda_fp4.pdl_mode()
+        assert prof["wall_us_per_step"] == pytest.approx(prof["seconds_profiled"] * 1e6 / 2)
+        assert prof["kernels_per_step"] >= 0 and isinstance(prof["top"], list)
     fp4, bf16 = payload["speed"]
     assert fp4["grpo_step"]["x_bf16"] == pytest.approx(bf16["grpo_step"]["step_seconds"]
                                                        / fp4["grpo_step"]["step_seconds"])
