@@ -138,6 +138,20 @@ def _err(out, ref):
     return ((out - ref).norm() / ref.norm()).item(), ((out - ref).abs().amax() / ref.abs().amax()).item()
 
 
+def _captured(fn):
+    """fn() run once on a side stream (workspaces and kernels before capture), then captured there: (graph, the
+    captured call's output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    return graph, out
+
+
 @gpu
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 16])
 @pytest.mark.parametrize("sizes,k", [((96,), 1024), ((64, 16, 16), 1024), ((3584, 512, 512), 3584),
@@ -290,14 +304,7 @@ def test_waiting_late_in_a_graph_gives_the_same_bits(on, rows, monkeypatch):
         monkeypatch.setenv("QERL_PDL", pdl)
         monkeypatch.setattr(on, "LORA_OVERLAP", overlap)
         static_x = x.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain(static_x)  # workspace and kernels before capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = chain(static_x)
+        graph, out = _captured(lambda: chain(static_x))
         static_x.copy_(x * 2)
         graph.replay()
         torch.cuda.synchronize()
@@ -326,14 +333,7 @@ def test_cuda_graph_replay_equals_eager(on):
     args = (packed, scale, gs, bias, a, b, 0.5)
     eager = on.fp4_matmul_triton(x, *args, segments=[3584, 512, 512])
     static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        on.fp4_matmul_triton(static_x, *args, segments=[3584, 512, 512])  # workspace before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        static_out = on.fp4_matmul_triton(static_x, *args, segments=[3584, 512, 512])
+    graph, static_out = _captured(lambda: on.fp4_matmul_triton(static_x, *args, segments=[3584, 512, 512]))
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
