@@ -466,7 +466,8 @@ def small_matmul(x2: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
     return out
 
 
-# The FP4 kernel after small_matmul's x @ A.T waits for it only before its epilogue (WAIT_LATE in _fp4_mm_kernel)
+# The FP4 kernel after small_matmul's x @ A.T waits for it only before its epilogue (WAIT_LATE in _fp4_mm_kernel).
+# Also safe where small_matmul falls back to torch.matmul: a launch without PDL lets the next start only once done.
 LORA_OVERLAP = True
 
 
