@@ -64,6 +64,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--mlp-chunks", type=int, default=1, help="train.mlp_chunks of the trainer (qerl.tiled_mlp)")
     p.add_argument("--profile-tokens", type=int, default=0,
                    help="also profile one rollout of this many tokens at the first batch (kernels per step)")
+    p.add_argument("--profile-update", action="store_true",
+                   help="(c) also profiles one update of one micro-batch (kernels per update, after the warm-up)")
     p.add_argument("--out-name", default="e2e.json")
     p.add_argument("--in-process", action="store_true", help="run workers in this process (CPU smoke tests)")
     p.add_argument("--seed", type=int, default=0)
@@ -78,7 +80,10 @@ def _worker_argv(args, kind: str, spec: str, out: Path) -> list[str]:
     keep = {k: v for k, v in vars(args).items() if k not in ("worker", "worker_spec", "worker_out", "in_process")}
     argv = [sys.executable, "-m", "qerl.bench.e2e"]
     for key, value in keep.items():
-        if value is None:
+        if value is None or value is False:
+            continue
+        if value is True:  # a flag
+            argv.append(f"--{key.replace('_', '-')}")
             continue
         value = ",".join(map(str, value)) if isinstance(value, list) else str(value)
         argv += [f"--{key.replace('_', '-')}", value]

@@ -105,28 +105,38 @@ def _profile_rollout(engine, prompts, batch: int, new_tokens: int, seed: int) ->
     Under programmatic dependent launch (QERL_PDL; on by default in Hopper CUDA graphs) a kernel starts before the
     one it depends on has finished and its profiled time includes that wait, so the kernel times add up to more
     than the step's wall time: take per-kernel breakdowns with QERL_PDL=0 (recorded as pdl_mode)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     from qerl.quant import cuda_fp4
 
     chosen, n = _batch_of(prompts, batch)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with _kernel_profile() as prof:
         row = _timed_generate(engine, chosen, n, new_tokens, seed)
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     steps = max(1, new_tokens - 1)
     return {"batch": row["rows"], "new_tokens": new_tokens, "decode_calls": row["decode_calls"],
             "seconds_profiled": row["seconds"], "pdl_mode": cuda_fp4.pdl_mode(),
-            "wall_us_per_step": row["seconds"] * 1e6 / steps,
-            "kernels_per_step": sum(e.count for e in kernels) / steps,
-            "gpu_us_per_step": sum(e.self_device_time_total for e in kernels) / steps,
-            "top": [{"name": e.key[:120], "count_per_step": round(e.count / steps, 2),
-                     "us_per_step": round(e.self_device_time_total / steps, 2)} for e in kernels[:40]]}
+            "wall_us_per_step": row["seconds"] * 1e6 / steps, **_kernel_table(prof, steps, "step")}
 
 
-def _grpo_step(trainer) -> dict:
-    """Warm the update kernels on one micro-batch, then time a full step (rollout + update) of fresh data."""
+def _kernel_profile():
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def _kernel_table(prof, per: int, unit: str, top: int = 40) -> dict:
+    """The profiled GPU kernels, longest total first, as counts and microseconds per `unit` (per = units run)."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {f"kernels_per_{unit}": sum(e.count for e in kernels) / per,
+            f"gpu_us_per_{unit}": sum(e.self_device_time_total for e in kernels) / per,
+            "top": [{"name": e.key[:120], f"count_per_{unit}": round(e.count / per, 2),
+                     f"us_per_{unit}": round(e.self_device_time_total / per, 2)} for e in kernels[:top]]}
+
+
+def _grpo_step(trainer, profile_update: bool = False) -> dict:
+    """Warm the update kernels on one micro-batch, then time a full step (rollout + update) of fresh data.
+    profile_update: also one more update of that micro-batch under torch.profiler (its kernels, per update)."""
     from qerl.trainer import Batch
 
     batch = trainer.rollout(0)
@@ -134,6 +144,14 @@ def _grpo_step(trainer) -> dict:
     warm = Batch(batch.input_ids[:mb], batch.attention_mask[:mb], batch.completion_mask[:mb],
                  batch.rollout_logprobs[:mb], batch.advantages[:mb])
     trainer.update(warm, 0)
+    profiled = None
+    if profile_update:
+        _sync()
+        with _kernel_profile() as prof:
+            seconds = trainer.update(warm, 0)["timing/update"]
+            _sync()
+        profiled = {"rows": mb, "tokens": int(warm.attention_mask.sum()), "seconds_profiled": seconds,
+                    **_kernel_table(prof, 1, "update", top=60)}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     _sync()
@@ -147,7 +165,8 @@ def _grpo_step(trainer) -> dict:
             "completion_len": batch.completion_len, "micro_batch_size": mb,
             "rollout_seconds": batch.metrics["timing/rollout"], "rollout_tokens": batch.metrics["rollout_tokens"],
             "update_seconds": metrics["timing/update"], "step_seconds": step, "peak_bytes": peak,
-            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+            **({"update_profile": profiled} if profiled else {})}
 
 
 def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> dict:
@@ -203,7 +222,8 @@ def speed_worker(args, mode: str, size: str, on_part=None) -> dict:
             trainer.engine, prompts, args.batches[0], args.profile_tokens, args.seed + 2)))
         on_part(result)
     if args.step_completion:
-        _guard(result, "grpo_step", lambda: result.__setitem__("grpo_step", _grpo_step(trainer)))
+        _guard(result, "grpo_step", lambda: result.__setitem__(
+            "grpo_step", _grpo_step(trainer, args.profile_update)))
         on_part(result)
     trainer.engine.close()
     if args.hf_tokens:

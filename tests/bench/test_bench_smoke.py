@@ -20,7 +20,7 @@ from qerl.quant.linear import FP4Linear
 TINY = ["--speed-size", "tiny", "--memory", "tiny:fp4,tiny:bf16,tiny:fp4:1:offload", "--batches", "2,4", "--prompts", "2",
         "--group", "2", "--prompt-len", "8", "--new-tokens", "3", "--step-completion", "3",
         "--memory-completion", "5", "--micro-batch", "2", "--lora-r", "4", "--hf-tokens", "2", "--profile-tokens", "3",
-        "--in-process"]
+        "--profile-update", "--in-process"]
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,27 @@ def test_rollout_and_step_rows(run):
         assert (prof["batch"], prof["new_tokens"]) == (2, 3) and prof["pdl_mode"] == cuda_fp4.pdl_mode()
         assert prof["wall_us_per_step"] == pytest.approx(prof["seconds_profiled"] * 1e6 / 2)
         assert prof["kernels_per_step"] >= 0 and isinstance(prof["top"], list)
+        up = step["update_profile"]  # one more update of the warm-up micro-batch (2 rows x (8 + 3) tokens)
+        assert (up["rows"], up["tokens"]) == (2, 22) and up["seconds_profiled"] > 0
+        assert up["kernels_per_update"] >= 0 and isinstance(up["top"], list)
     fp4, bf16 = payload["speed"]
     assert fp4["grpo_step"]["x_bf16"] == pytest.approx(bf16["grpo_step"]["step_seconds"]
                                                        / fp4["grpo_step"]["step_seconds"])
+
+
+def test_worker_gets_the_same_options(tmp_path):
+    """A worker subprocess parses back exactly the parent's options (flags included, worker fields added)."""
+    args = e2e._parse(["--out-dir", str(tmp_path), *TINY[:-1], "--batches", "8,64"])
+    argv = e2e._worker_argv(args, "speed", "tiny:fp4", tmp_path / "w.json")
+    assert argv[1:3] == ["-m", "qerl.bench.e2e"]
+    back, sent = vars(e2e._parse(argv[3:])), vars(args)
+    worker = ("worker", "worker_spec", "worker_out")
+    assert [back.pop(k) for k in worker] == ["speed", "tiny:fp4", str(tmp_path / "w.json")]
+    assert [sent.pop(k) for k in worker] == [None, None, None]
+    assert back == {**sent, "in_process": False}  # the worker runs the work itself
+    assert back["profile_update"] is True and back["batches"] == [8, 64]
+    plain = e2e._parse(e2e._worker_argv(e2e._parse([]), "speed", "7B:fp4", tmp_path / "w.json")[3:])
+    assert plain.profile_update is False and plain.in_process is False
 
 
 def test_memory_rows(run):
