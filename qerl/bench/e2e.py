@@ -65,7 +65,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-tokens", type=int, default=0,
                    help="also profile one rollout of this many tokens at the first batch (kernels per step)")
     p.add_argument("--profile-update", action="store_true",
-                   help="(c) also profiles one update of one micro-batch (kernels per update, after the warm-up)")
+                   help="(c) then one more step, its whole update under torch.profiler (kernels, GPU idle time)")
     p.add_argument("--out-name", default="e2e.json")
     p.add_argument("--in-process", action="store_true", help="run workers in this process (CPU smoke tests)")
     p.add_argument("--seed", type=int, default=0)

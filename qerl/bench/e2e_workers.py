@@ -134,9 +134,22 @@ def _kernel_table(prof, per: int, unit: str, top: int = 40) -> dict:
                      f"us_per_{unit}": round(e.self_device_time_total / per, 2)} for e in kernels[:top]]}
 
 
+def _allocator_counts() -> dict:
+    """cudaMalloc calls and allocation retries so far (a retry frees the cache: a device sync plus cudaFree)."""
+    if not torch.cuda.is_available():
+        return {"device_allocs": 0, "alloc_retries": 0}
+    stats = torch.cuda.memory_stats()
+    return {"device_allocs": stats.get("num_device_alloc", 0), "alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
+def _since(before: dict) -> dict:
+    return {k: v - before[k] for k, v in _allocator_counts().items()}
+
+
 def _grpo_step(trainer, profile_update: bool = False) -> dict:
     """Warm the update kernels on one micro-batch, then time a full step (rollout + update) of fresh data.
-    profile_update: also one more update of that micro-batch under torch.profiler (its kernels, per update)."""
+    profile_update: then one more step, its update (every micro-batch, right after the rollout as in training)
+    under torch.profiler: kernels per update, and the GPU's idle time (wall minus kernel time)."""
     from qerl.trainer import Batch
 
     batch = trainer.rollout(0)
@@ -144,29 +157,32 @@ def _grpo_step(trainer, profile_update: bool = False) -> dict:
     warm = Batch(batch.input_ids[:mb], batch.attention_mask[:mb], batch.completion_mask[:mb],
                  batch.rollout_logprobs[:mb], batch.advantages[:mb])
     trainer.update(warm, 0)
-    profiled = None
-    if profile_update:
-        _sync()
-        with _kernel_profile() as prof:
-            seconds = trainer.update(warm, 0)["timing/update"]
-            _sync()
-        profiled = {"rows": mb, "tokens": int(warm.attention_mask.sum()), "seconds_profiled": seconds,
-                    **_kernel_table(prof, 1, "update", top=60)}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     _sync()
+    counts = _allocator_counts()
     start = time.perf_counter()
     batch = trainer.rollout(1)
     metrics = trainer.update(batch, 1)
     _sync()
     step = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    return {"rows": batch.input_ids.shape[0], "prompt_len": batch.input_ids.shape[1] - batch.completion_len,
-            "completion_len": batch.completion_len, "micro_batch_size": mb,
-            "rollout_seconds": batch.metrics["timing/rollout"], "rollout_tokens": batch.metrics["rollout_tokens"],
-            "update_seconds": metrics["timing/update"], "step_seconds": step, "peak_bytes": peak,
-            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-            **({"update_profile": profiled} if profiled else {})}
+    result = {"rows": batch.input_ids.shape[0], "prompt_len": batch.input_ids.shape[1] - batch.completion_len,
+              "completion_len": batch.completion_len, "micro_batch_size": mb,
+              "rollout_seconds": batch.metrics["timing/rollout"], "rollout_tokens": batch.metrics["rollout_tokens"],
+              "update_seconds": metrics["timing/update"], "step_seconds": step, "peak_bytes": peak,
+              "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "allocator": _since(counts)}
+    if profile_update:
+        batch = trainer.rollout(2)
+        counts = _allocator_counts()
+        with _kernel_profile() as prof:
+            seconds = trainer.update(batch, 2)["timing/update"]
+            _sync()
+        table = _kernel_table(prof, 1, "update", top=60)
+        result["update_profile"] = {
+            "rows": batch.input_ids.shape[0], "tokens": int(batch.attention_mask.sum()), "seconds_profiled": seconds,
+            "gpu_idle_us": seconds * 1e6 - table["gpu_us_per_update"], "allocator": _since(counts), **table}
+    return result
 
 
 def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> dict:

@@ -4,7 +4,8 @@ From a few hundred rows on, a bf16 GEMM is compute bound and cuBLAS's Hopper ker
 kernel (there the dequantization competes with the tensor cores for issue slots). So `qerl.quant.triton_fp4` sends
 those shapes here: W is rebuilt in chunks of at most CHUNK_ELEMENTS (two bf16 buffers, 2 x 64 MiB), each chunk
 dequantized on a side stream while cuBLAS multiplies the previous one, so the dequantization (memory bound) hides
-under the matmul (compute bound). The full dense weight never exists, and nothing dense outlives the call.
+under the matmul (compute bound). A weight of at most CHUNK_ELEMENTS is one chunk, dequantized then multiplied.
+No more than 128 MiB of dense weight exists at a time, and nothing dense outlives the call.
 
     out = dense_fp4_matmul(x2, weight_packed, weight_scale, weight_global_scale, bias)   # x2 @ deq(W).T
     gx = dense_fp4_matmul_t(g2, weight_packed, weight_scale, weight_global_scale)       # g2 @ deq(W)
@@ -19,8 +20,10 @@ import triton.language as tl
 
 from qerl.quant.triton_fp4 import DEQ_GAIN, _dequant_tile
 
+# A weight up to this size is one chunk and one GEMM: splitting a 7B q/o (12.8 M elements) in two to overlap its
+# ~10 us dequantization cost ~0.2 ms per 16,640-row call on an H100 (smaller GEMMs; a bias broadcast into
+# column blocks of the output), more than the overlap saved.
 CHUNK_ELEMENTS = 32 * 2**20
-MIN_SPLIT_ELEMENTS = 8 * 2**20  # weights at least this large get 2 chunks, so dequant and matmul overlap
 
 
 # Bandwidth-bound; the best tile differs between GPUs, so it is measured once per column count (autotune).
@@ -71,8 +74,6 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 def _chunks(length: int, other: int, align: int) -> list[tuple[int, int]]:
     """Split `length` (rows or cols of W) into aligned pieces of at most CHUNK_ELEMENTS elements."""
     n = math.ceil(length * other / CHUNK_ELEMENTS)
-    if n == 1 and length * other >= MIN_SPLIT_ELEMENTS:
-        n = 2
     step = max(align, math.ceil(length / n / align) * align)
     return [(a, min(a + step, length)) for a in range(0, length, step)]
 

@@ -48,9 +48,11 @@ def test_rollout_and_step_rows(run):
         assert (prof["batch"], prof["new_tokens"]) == (2, 3) and prof["pdl_mode"] == cuda_fp4.pdl_mode()
         assert prof["wall_us_per_step"] == pytest.approx(prof["seconds_profiled"] * 1e6 / 2)
         assert prof["kernels_per_step"] >= 0 and isinstance(prof["top"], list)
-        up = step["update_profile"]  # one more update of the warm-up micro-batch (2 rows x (8 + 3) tokens)
-        assert (up["rows"], up["tokens"]) == (2, 22) and up["seconds_profiled"] > 0
+        up = step["update_profile"]  # the update of one more step: 4 rows x (8 + 3) tokens
+        assert (up["rows"], up["tokens"]) == (4, 44) and up["seconds_profiled"] > 0
         assert up["kernels_per_update"] >= 0 and isinstance(up["top"], list)
+        assert up["gpu_idle_us"] == pytest.approx(up["seconds_profiled"] * 1e6 - up["gpu_us_per_update"])
+        assert step["allocator"] == up["allocator"] == {"device_allocs": 0, "alloc_retries": 0}  # CPU
     fp4, bf16 = payload["speed"]
     assert fp4["grpo_step"]["x_bf16"] == pytest.approx(bf16["grpo_step"]["step_seconds"]
                                                        / fp4["grpo_step"]["step_seconds"])

@@ -111,6 +111,30 @@ def test_lora_epilogue_matches_float64(tf, rank, rows):
     assert (lora.norm() / ref.norm()).item() > 0.2  # so an update dropped or misplaced fails the check above
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 1000, 2048])  # one chunk / 4 chunks, the last short / 2 chunks
+def test_dense_path_in_chunks_matches_float64(tf, monkeypatch, chunk_rows):
+    """The many-row path with W rebuilt in several chunks (bias and LoRA across chunk boundaries), both ways."""
+    from qerl.quant import triton_dequant
+
+    n, k, rows, rank = 3584, 3584, 300, 16
+    if chunk_rows:
+        monkeypatch.setattr(triton_dequant, "CHUNK_ELEMENTS", chunk_rows * k)
+    assert len(triton_dequant._chunks(n, k, 256)) == {None: 1, 1000: 4, 2048: 2}[chunk_rows]
+    packed, scale, gs = _random_fp4(n, k, seed=rows + (chunk_rows or 0))
+    w64 = dequantize_nvfp4(packed, scale, gs, torch.float64)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    b = 30 * torch.randn(n, rank, device="cuda", dtype=torch.bfloat16)
+    out = tf.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5)
+    xa = (x.double() @ a.double().T).to(torch.bfloat16).double()
+    frob, worst = _rel_err(out, x.double() @ w64.T + bias.double() + 0.5 * xa @ b.double().T)
+    assert frob < 5e-3 and worst < 2e-2, f"forward, chunk rows {chunk_rows}: rel err {frob:.2e}, max {worst:.2e}"
+    g = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    frob, worst = _rel_err(tf.fp4_matmul_t_triton(g, packed, scale, gs), g.double() @ w64)
+    assert frob < 5e-3 and worst < 2e-2, f"grad_input, chunk rows {chunk_rows}: rel err {frob:.2e}, max {worst:.2e}"
+
+
 @pytest.mark.parametrize("rows", [1, 8, 16, 33, 64])
 def test_small_matmul_matches_float64(tf, rows):
     """The single-launch split-K GEMM behind x @ A.T: every rank/width and reduction length, masked edges."""
