@@ -50,6 +50,8 @@ class LoraSection(_Section):
     lora_alpha: int = Field(64, ge=1)
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    fused: bool = Field(True, description="training forward/backward of each LoRA layer as one autograd node "
+                                          "(qerl.fused_lora); false: peft's own ops")
 
 
 class AQNConfig(_Section):

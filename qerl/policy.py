@@ -24,12 +24,14 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """LoRA hyper-parameters (TRL's lora_r / lora_alpha / lora_dropout) and the modules it wraps."""
+    """LoRA hyper-parameters (TRL's lora_r / lora_alpha / lora_dropout) and the modules it wraps; fused: each
+    layer trains as one autograd node (qerl.fused_lora) in modes lora and qlora_fp4."""
 
     r: int
     alpha: float
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    fused: bool = True
 
     def __post_init__(self):
         if self.r <= 0:
@@ -102,12 +104,18 @@ def _norm_parameters(model: nn.Module):
 def _attach_lora(base: nn.Module, mode: str, lora: LoraSpec) -> nn.Module:
     from peft import get_peft_model
 
+    from qerl.fused_lora import register_fused_lora, set_fused
+
     config = lora.to_config()
     if mode == "qlora_fp4":
         from qerl.quant.lora import register_fp4_lora
 
         register_fp4_lora(config)
-    return get_peft_model(base, config)
+    if mode in ("lora", "qlora_fp4"):  # not qlora_nf4: bitsandbytes layers need peft's own dispatch
+        register_fused_lora(config)
+    model = get_peft_model(base, config)
+    set_fused(model, lora.fused)
+    return model
 
 
 def load_policy(model_path, *, mode: str, dtype: torch.dtype = torch.float32, device="cpu",

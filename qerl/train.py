@@ -48,7 +48,8 @@ def _setup_model(cfg, model_dir: str):
     device, dtype = resolve_device_dtype(cfg.dtype)
     lora = None if cfg.mode == "full" else LoraSpec(r=cfg.lora.lora_r, alpha=cfg.lora.lora_alpha,
                                                     dropout=cfg.lora.lora_dropout,
-                                                    target_modules=tuple(cfg.lora.target_modules))
+                                                    target_modules=tuple(cfg.lora.target_modules),
+                                                    fused=cfg.lora.fused)
     return load_policy(model_dir, mode=cfg.mode, dtype=dtype, device=device, lora=lora,
                        train_norms=cfg.train_norms, gradient_checkpointing=cfg.gradient_checkpointing)
 

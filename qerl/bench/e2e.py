@@ -64,6 +64,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--mlp-chunks", type=int, default=1, help="train.mlp_chunks of the trainer (qerl.tiled_mlp)")
     p.add_argument("--profile-tokens", type=int, default=0,
                    help="also profile one rollout of this many tokens at the first batch (kernels per step)")
+    p.add_argument("--fused-lora", choices=["on", "off"], default="on",
+                   help="LoRA layers train as one autograd node each (qerl.fused_lora), or through peft's own ops")
     p.add_argument("--profile-update", action="store_true",
                    help="(c) then one more step, its whole update under torch.profiler (kernels, GPU idle time)")
     p.add_argument("--out-name", default="e2e.json")

@@ -50,7 +50,8 @@ def _build(args, fp4: bool, size: str):
     device, dtype = device_and_dtype(args.device)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     model = build_random_model(qwen25_config(size), fp4=fp4, device=device, dtype=dtype, seed=args.seed)
-    model = attach_lora(model, r=args.lora_r, alpha=2 * args.lora_r, fp4=fp4, gradient_checkpointing=True)
+    model = attach_lora(model, r=args.lora_r, alpha=2 * args.lora_r, fp4=fp4, gradient_checkpointing=True,
+                        fused=args.fused_lora == "on")
     return model, tokenizer, device
 
 

@@ -110,10 +110,12 @@ def build_random_model(size_or_config, *, fp4: bool, device="cuda", dtype: torch
 
 
 def attach_lora(model: nn.Module, *, r: int = 32, alpha: int = 64, fp4: bool,
-                gradient_checkpointing: bool = True) -> nn.Module:
-    """peft LoRA on every decoder Linear (the trainer's default targets), as qerl.policy.load_policy does."""
+                gradient_checkpointing: bool = True, fused: bool = True) -> nn.Module:
+    """peft LoRA on every decoder Linear (the trainer's default targets), as qerl.policy.load_policy does
+    (fused: qerl.fused_lora's training path, False: peft's own ops)."""
     from peft import LoraConfig, get_peft_model
 
+    from qerl.fused_lora import register_fused_lora, set_fused
     from qerl.quant.lora import register_fp4_lora
 
     if gradient_checkpointing:
@@ -122,7 +124,10 @@ def attach_lora(model: nn.Module, *, r: int = 32, alpha: int = 64, fp4: bool,
                         bias="none", task_type="CAUSAL_LM")
     if fp4:
         register_fp4_lora(config)
-    return get_peft_model(model, config).train()
+    register_fused_lora(config)
+    model = get_peft_model(model, config).train()
+    set_fused(model, fused)
+    return model
 
 
 def decode_weight_bytes(model: nn.Module) -> int:

@@ -17,6 +17,7 @@ from peft import LoraConfig
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
+from qerl.fused_lora import fused_adapter, lora_forward
 from qerl.quant.kernels import fp4_lora_matmul
 from qerl.quant.linear import FP4Linear
 
@@ -28,7 +29,10 @@ def lora_dropout_active(layer: nn.Module, adapter: str) -> bool:
 
 
 class FP4LoraLinear(nn.Module, LoraLayer):
-    """y = FP4Linear(x) + B(A(dropout(x))) * scaling; the packed base is never merged in place."""
+    """y = FP4Linear(x) + B(A(dropout(x))) * scaling; the packed base is never merged in place. Training runs
+    through qerl.fused_lora (one autograd node) unless `use_fused` is False (qerl.fused_lora.set_fused)."""
+
+    use_fused = True
 
     def __init__(self, base_layer: FP4Linear, adapter_name: str, config: LoraConfig, r: int = 0,
                  lora_alpha: int = 1, **kwargs):
@@ -84,6 +88,9 @@ class FP4LoraLinear(nn.Module, LoraLayer):
             base = self.base_layer
             return fp4_lora_matmul(x, base.weight_packed, base.weight_scale, base.weight_global_scale, base.bias,
                                    self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
+        name = fused_adapter(self, x)
+        if name is not None:
+            return lora_forward(self, x, name)
         result = self.base_layer(x)
         if self.disable_adapters:
             return result
