@@ -189,7 +189,10 @@ def test_swapped_operands_match_float64(tf, rows, bk, split):
     frob, worst = _rel_err(out, ref)
     assert frob < 5e-3 and worst < 2e-2, f"rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
     default = tf.fp4_matmul_triton(*args, 0.5, segments=list(sizes))
-    torch.testing.assert_close(out, default, rtol=2e-2, atol=2e-2)
+    # two bf16 results summed in different orders: they may differ by an ulp of the largest outputs (|y| ~ 50 with
+    # the LoRA term), so the bound is relative to the output's scale, as against float64 above
+    frob, worst = _rel_err(out, default.double())
+    assert frob < 5e-3 and worst < 2e-2, f"rows {rows}: swapped vs default rel err {frob:.2e}, max {worst:.2e}"
 
 
 def test_lora_dispatch_on_cuda_equals_the_kernel(tf):
