@@ -21,9 +21,12 @@ from torch import nn
 
 
 def _dense_ops(base: nn.Linear, dtype: torch.dtype):
-    w = base.weight.to(dtype)
-    bias = None if base.bias is None else base.bias.to(dtype)
-    return (lambda x: F.linear(x, w, bias)), (lambda g: g @ w)
+    # casts at call time (no-ops for a model already in dtype): the ops outlive the forward in the autograd
+    # context, where a cast copy of W would stay alive through a checkpointed forward (autocast's does not)
+    def forward(x):
+        return F.linear(x, base.weight.to(dtype), None if base.bias is None else base.bias.to(dtype))
+
+    return forward, (lambda g: g @ base.weight.to(dtype))
 
 
 def _has_ops(base: nn.Module) -> bool:

@@ -189,3 +189,20 @@ def test_gpu_many_rows_in_bf16_match_float64(fp4):
     for name, (got, want) in refs.items():
         rel = ((got.double() - want).norm() / want.norm()).item()
         assert rel < 1e-2, f"{name}: rel err {rel:.2e}"
+
+
+def test_the_autograd_context_holds_no_cast_weight():
+    """An fp32 base under bf16 autocast: what outlives the forward (saved tensors and the base ops) holds no bf16
+    copy of W, which gradient checkpointing could not drop (it drops saved tensors only)."""
+    model = _lora(False, True, dtype=torch.float32)
+    layer = model.base_model.model.proj
+    w = layer.get_base_layer().weight
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(torch.randn(4, 64, requires_grad=True))
+    node = y.grad_fn
+    while node is not None and "LoraLinearFunction" not in type(node).__name__:
+        node = node.next_functions[0][0]
+    assert node is not None
+    cells = [c.cell_contents for f in node.ops for c in (f.__closure__ or ())]
+    assert not any(isinstance(c, torch.Tensor) and c.shape == w.shape for c in cells)
+    assert all(t.shape != w.shape for t in node.saved_tensors)

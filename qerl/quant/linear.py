@@ -100,8 +100,11 @@ class FP4Linear(nn.Module):
     def lora_base_ops(self, dtype: torch.dtype):
         """(forward(x), input_grad(g)) of this frozen layer in dtype, for qerl.fused_lora."""
         wp, ws, gs = self.weight_packed, self.weight_scale, self.weight_global_scale
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return (lambda x: fp4_matmul(x, wp, ws, gs, bias)), (lambda g: fp4_matmul_t(g, wp, ws, gs))
+
+        def forward(x):
+            return fp4_matmul(x, wp, ws, gs, None if self.bias is None else self.bias.to(dtype))
+
+        return forward, (lambda g: fp4_matmul_t(g, wp, ws, gs))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return FP4LinearFunction.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale,
