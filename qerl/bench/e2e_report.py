@@ -110,6 +110,42 @@ def _step_table(payload: dict) -> list[str]:
     return lines
 
 
+# Kernel-name fragments of each part of an update (torch.profiler names; first match wins, the rest is "other").
+KERNEL_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "splitkreduce", "_fp4_mm", "_small_mm", "fp4_gemv")),
+                ("attention", ("sdpa", "flash", "fmha", "cudnn")),
+                ("dequant", ("_dequant_kernel",)))
+
+
+def update_breakdown(profile: dict) -> dict:
+    """Seconds per update by kernel kind (KERNEL_KINDS, "other" = the rest incl. kernels beyond the profile's top
+    list), GPU total, GPU idle and wall, from `--profile-update`'s grpo_step.update_profile."""
+    parts = {kind: 0.0 for kind, _ in KERNEL_KINDS}
+    for row in profile.get("top", []):
+        name = row["name"].lower()
+        kind = next((k for k, frags in KERNEL_KINDS if any(f in name for f in frags)), None)
+        if kind:
+            parts[kind] += row["us_per_update"] / 1e6
+    total = profile["gpu_us_per_update"] / 1e6
+    return {**parts, "other": total - sum(parts.values()), "gpu": total, "idle": profile["gpu_idle_us"] / 1e6,
+            "wall": profile["seconds_profiled"]}
+
+
+def _update_profile_table(payload: dict) -> list[str]:
+    rows = [(r["mode"], r["grpo_step"]["update_profile"]) for r in payload.get("speed", [])
+            if (r.get("grpo_step") or {}).get("update_profile")]
+    if not rows:
+        return []
+    kinds = [k for k, _ in KERNEL_KINDS] + ["other"]
+    lines = ["", "(c) One update under torch.profiler, seconds", "",
+             "| mode | " + " | ".join(kinds) + " | GPU total | GPU idle | wall | kernels |", "|---" * (len(kinds) + 5) + "|"]
+    for mode, prof in rows:
+        b = update_breakdown(prof)
+        lines.append(f"| {mode} | " + " | ".join(_f(b[k], ".2f") for k in kinds)
+                     + f" | {_f(b['gpu'], '.2f')} | {_f(b['idle'], '.2f')} | {_f(b['wall'], '.2f')} "
+                     f"| {_f(prof.get('kernels_per_update'))} |")
+    return lines
+
+
 def _memory_table(payload: dict) -> list[str]:
     mem = payload.get("memory", [])
     def ref_of(m):  # 7B bf16 LoRA at the same micro-batch, offload and MLP slicing
@@ -146,6 +182,9 @@ def markdown(payload: dict) -> str:
     ceil = payload.get("ceilings") or {}
     head = (f"Device: **{payload['device']}**, {payload['date']}, torch {payload['torch']}. Ceilings: copy "
             f"{_f(ceil.get('copy_GBps'))} GB/s, bf16 matmul {_f(ceil.get('bf16_tflops'))} TFLOP/s.")
-    return "\n".join([head, "", "(b) Rollout", ""] + _rollout_table(payload) + ["", "(c) One GRPO step", ""]
-                     + _step_table(payload) + ["", "(d) Peak memory of one GRPO update", ""]
+    lora = (payload.get("config") or {}).get("fused_lora", "on")
+    return "\n".join([head, "", "(b) Rollout", ""] + _rollout_table(payload)
+                     + ["", f"(c) One GRPO step (LoRA ops: {'fused' if lora == 'on' else 'peft'})", ""]
+                     + _step_table(payload) + _update_profile_table(payload)
+                     + ["", "(d) Peak memory of one GRPO update", ""]
                      + _memory_table(payload) + _errors(payload))

@@ -87,7 +87,21 @@ def test_table_and_files(run):
     payload, out = run
     table = e2e_report.markdown(payload)
     assert "(b) Rollout" in table and "(d) Peak memory" in table and payload["device"] in table
+    assert "(c) One GRPO step (LoRA ops: fused)" in table and "(c) One update under torch.profiler" in table
     assert not list(out.glob("*.tmp")) and (out / "e2e_parts").is_dir()
+
+
+def test_update_breakdown_sorts_kernels_by_kind():
+    top = [{"name": "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "us_per_update": 3e6},
+           {"name": "void cublasLt::splitKreduce_kernel<32, 16>", "us_per_update": 0.5e6},
+           {"name": "_fp4_mm_kernel", "us_per_update": 0.25e6},
+           {"name": "cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "us_per_update": 1e6},
+           {"name": "_dequant_kernel", "us_per_update": 0.2e6},
+           {"name": "void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add>", "us_per_update": 2e6}]
+    prof = {"top": top, "gpu_us_per_update": 7.5e6, "gpu_idle_us": 0.4e6, "seconds_profiled": 7.9}
+    got = e2e_report.update_breakdown(prof)
+    assert got == pytest.approx({"gemm": 3.75, "attention": 1.0, "dequant": 0.2, "other": 2.55, "gpu": 7.5,
+                                 "idle": 0.4, "wall": 7.9})  # other: the add plus 0.55 s beyond the top list
 
 
 def test_fp4_model_is_packed_and_finite():
