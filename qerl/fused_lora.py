@@ -79,7 +79,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def fused_adapter(layer, x: torch.Tensor) -> str | None:
+def fused_training_adapter(layer, x: torch.Tensor) -> str | None:
     """The adapter name when `layer` (a peft LoraLayer) can run as LoraLinearFunction now, else None."""
     if (not getattr(layer, "use_fused", False) or not torch.is_grad_enabled() or layer.disable_adapters
             or layer.merged or len(layer.active_adapters) != 1):
@@ -98,8 +98,8 @@ def fused_adapter(layer, x: torch.Tensor) -> str | None:
 
 
 def lora_forward(layer, x: torch.Tensor, name: str) -> torch.Tensor:
-    """layer's output through LoraLinearFunction (after `fused_adapter` said yes); in the autocast dtype when
-    autocast is on, else x's dtype. The casts of x, A and B are ordinary autograd ops (A's gradient arrives in
+    """layer's output through LoraLinearFunction (after `fused_training_adapter` said yes); in the autocast dtype
+    when autocast is on, else x's dtype. The casts of x, A and B are ordinary autograd ops (A's gradient arrives in
     its own dtype)."""
     dtype = _compute_dtype(x)
     a = layer.lora_A[name].weight.to(dtype)
@@ -115,7 +115,7 @@ class FusedLoraLinear(PeftLoraLinear):
     use_fused = True
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        name = None if (args or kwargs) else fused_adapter(self, x)
+        name = None if (args or kwargs) else fused_training_adapter(self, x)
         if name is None:
             return super().forward(x, *args, **kwargs)
         return lora_forward(self, x, name)

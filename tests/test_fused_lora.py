@@ -8,7 +8,8 @@ from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
 
 from qerl.bench.random_models import attach_lora, build_random_model
-from qerl.fused_lora import FusedLoraLinear, LoraLinearFunction, fused_adapter, register_fused_lora, set_fused
+from qerl.fused_lora import (FusedLoraLinear, LoraLinearFunction, fused_training_adapter, register_fused_lora,
+                             set_fused)
 from qerl.quant.linear import FP4Linear
 from qerl.quant.lora import FP4LoraLinear, register_fp4_lora
 
@@ -52,7 +53,8 @@ def test_outputs_and_gradients_match_peft(fp4, monkeypatch):
     x = torch.randn(3, 5, 64, dtype=torch.float64)  # leading dims are flattened and restored
     fused, plain = _lora(fp4, True), _lora(fp4, False)
     layer = fused.base_model.model.proj
-    assert isinstance(layer, FP4LoraLinear if fp4 else FusedLoraLinear) and fused_adapter(layer, x) == "default"
+    assert isinstance(layer, FP4LoraLinear if fp4 else FusedLoraLinear)
+    assert fused_training_adapter(layer, x) == "default"
     calls, orig = [], LoraLinearFunction.apply
     monkeypatch.setattr(LoraLinearFunction, "apply", lambda *a: calls.append(1) or orig(*a))
     y1, gx1, g1 = _run(fused, x)
@@ -94,18 +96,18 @@ def test_autocast_computes_in_half_and_keeps_parameter_dtypes():
 def test_falls_back_to_peft_where_it_must():
     x = torch.randn(2, 64, dtype=torch.float64)
     layer = _lora(False, True).base_model.model.proj
-    assert fused_adapter(layer, x) == "default"
+    assert fused_training_adapter(layer, x) == "default"
     with torch.no_grad():  # rollouts / evaluation: no autograd node to fuse
-        assert fused_adapter(layer, x) is None
+        assert fused_training_adapter(layer, x) is None
     with layer_disabled(layer):
-        assert fused_adapter(layer, x) is None
+        assert fused_training_adapter(layer, x) is None
     layer.use_fused = False
-    assert fused_adapter(layer, x) is None
+    assert fused_training_adapter(layer, x) is None
     layer.use_fused = True
     layer.get_base_layer().weight.requires_grad_(True)  # a trained base needs its own weight gradient
-    assert fused_adapter(layer, x) is None
+    assert fused_training_adapter(layer, x) is None
     dropped = _lora(False, True, dropout=0.5).base_model.model.proj
-    assert fused_adapter(dropped, x) is None and fused_adapter(dropped.eval(), x) == "default"
+    assert fused_training_adapter(dropped, x) is None and fused_training_adapter(dropped.eval(), x) == "default"
 
 
 class _Subclass(nn.Linear):  # e.g. bitsandbytes' 4-bit layers: not F.linear of .weight
@@ -117,7 +119,7 @@ def test_nn_linear_subclasses_are_not_fused():
     net = nn.Module()
     net.proj = _Subclass(8, 8)
     layer = get_peft_model(net, config).base_model.model.proj
-    assert isinstance(layer, PeftLoraLinear) and fused_adapter(layer, torch.randn(1, 8)) is None
+    assert isinstance(layer, PeftLoraLinear) and fused_training_adapter(layer, torch.randn(1, 8)) is None
 
 
 class layer_disabled:
@@ -176,7 +178,7 @@ def test_gpu_many_rows_in_bf16_match_float64(fp4):
     g = torch.randn(2, 300, n, device="cuda", dtype=torch.bfloat16)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = layer(x)
-    assert y.dtype == torch.bfloat16 and fused_adapter(layer, x) == "default"
+    assert y.dtype == torch.bfloat16 and fused_training_adapter(layer, x) == "default"
     y.backward(g)
     w64 = (base.dequantize_weight(torch.float64) if fp4 else base.weight.double())
     x64, g64, a64, b64 = x.detach().double(), g.double(), a.detach().double(), b.detach().double()

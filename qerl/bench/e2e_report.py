@@ -137,7 +137,8 @@ def _update_profile_table(payload: dict) -> list[str]:
         return []
     kinds = [k for k, _ in KERNEL_KINDS] + ["other"]
     lines = ["", "(c) One update under torch.profiler, seconds", "",
-             "| mode | " + " | ".join(kinds) + " | GPU total | GPU idle | wall | kernels |", "|---" * (len(kinds) + 5) + "|"]
+             "| mode | " + " | ".join(kinds) + " | GPU total | GPU idle | wall | kernels |",
+             "|---" * (len(kinds) + 5) + "|"]
     for mode, prof in rows:
         b = update_breakdown(prof)
         lines.append(f"| {mode} | " + " | ".join(_f(b[k], ".2f") for k in kinds)

@@ -17,7 +17,7 @@ from peft import LoraConfig
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from qerl.fused_lora import fused_adapter, lora_forward
+from qerl.fused_lora import fused_training_adapter, lora_forward
 from qerl.quant.kernels import fp4_lora_matmul
 from qerl.quant.linear import FP4Linear
 
@@ -88,7 +88,7 @@ class FP4LoraLinear(nn.Module, LoraLayer):
             base = self.base_layer
             return fp4_lora_matmul(x, base.weight_packed, base.weight_scale, base.weight_global_scale, base.bias,
                                    self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
-        name = fused_adapter(self, x)
+        name = fused_training_adapter(self, x)
         if name is not None:
             return lora_forward(self, x, name)
         result = self.base_layer(x)
