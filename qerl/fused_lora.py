@@ -36,11 +36,9 @@ def _has_ops(base: nn.Module) -> bool:
 
 def base_ops(base: nn.Module, dtype: torch.dtype):
     """(forward(x), input_grad(g)) of a frozen base layer, computing in dtype."""
-    if hasattr(base, "lora_base_ops"):
-        return base.lora_base_ops(dtype)
-    if type(base) is nn.Linear:
-        return _dense_ops(base, dtype)
-    raise TypeError(f"no fused LoRA path for base layer {type(base).__name__}")
+    if not _has_ops(base):
+        raise TypeError(f"no fused LoRA path for base layer {type(base).__name__}")
+    return base.lora_base_ops(dtype) if hasattr(base, "lora_base_ops") else _dense_ops(base, dtype)
 
 
 class LoraLinearFunction(torch.autograd.Function):
@@ -79,6 +77,12 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def lora_dropout_active(layer: nn.Module, adapter: str) -> bool:
+    """Whether `adapter`'s dropout changes its input now (an nn.Dropout with p > 0 in training mode)."""
+    drop = layer.lora_dropout[adapter]
+    return isinstance(drop, nn.Dropout) and drop.training and drop.p > 0
+
+
 def fused_training_adapter(layer, x: torch.Tensor) -> str | None:
     """The adapter name when `layer` (a peft LoraLayer) can run as LoraLinearFunction now, else None."""
     if (not getattr(layer, "use_fused", False) or not torch.is_grad_enabled() or layer.disable_adapters
@@ -87,8 +91,7 @@ def fused_training_adapter(layer, x: torch.Tensor) -> str | None:
     name = layer.active_adapters[0]
     if name not in layer.lora_A.keys() or name in getattr(layer, "lora_variant", {}):
         return None
-    drop = layer.lora_dropout[name]
-    if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0:
+    if lora_dropout_active(layer, name):
         return None
     base = layer.get_base_layer()
     if (not _has_ops(base) or any(p.requires_grad for p in base.parameters(recurse=False))

@@ -162,7 +162,7 @@ class ProjectionGroup:
         first = self.members[0]
         if self.lora_a is None or x.dtype != self.lora_a.dtype or first.disable_adapters:
             return False
-        from qerl.quant.lora import lora_dropout_active
+        from qerl.fused_lora import lora_dropout_active
 
         return not any(lora_dropout_active(m, self.adapter) for m in self.members)
 

@@ -17,15 +17,9 @@ from peft import LoraConfig
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from qerl.fused_lora import fused_training_adapter, lora_forward
+from qerl.fused_lora import fused_training_adapter, lora_dropout_active, lora_forward
 from qerl.quant.kernels import fp4_lora_matmul
 from qerl.quant.linear import FP4Linear
-
-
-def lora_dropout_active(layer: nn.Module, adapter: str) -> bool:
-    """Whether `adapter`'s dropout changes its input now (an nn.Dropout with p > 0 in training mode)."""
-    drop = layer.lora_dropout[adapter]
-    return isinstance(drop, nn.Dropout) and drop.training and drop.p > 0
 
 
 class FP4LoraLinear(nn.Module, LoraLayer):
