@@ -86,6 +86,10 @@ class GRPOTrainer:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.log_metrics = log_metrics or (lambda m, s: None)
         self.device = next(p for p in model.parameters()).device
+        if cfg.fused_elementwise:  # before tiling: a tiled MLP's slices then run the compiled activation
+            from qerl.fused_elementwise import fuse_elementwise
+
+            fuse_elementwise(model)
         if cfg.mlp_chunks > 1:
             from qerl.tiled_mlp import tile_mlps
 

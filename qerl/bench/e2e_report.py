@@ -183,9 +183,11 @@ def markdown(payload: dict) -> str:
     ceil = payload.get("ceilings") or {}
     head = (f"Device: **{payload['device']}**, {payload['date']}, torch {payload['torch']}. Ceilings: copy "
             f"{_f(ceil.get('copy_GBps'))} GB/s, bf16 matmul {_f(ceil.get('bf16_tflops'))} TFLOP/s.")
-    lora = (payload.get("config") or {}).get("fused_lora", "on")
+    config = payload.get("config") or {}
+    lora = "fused" if config.get("fused_lora", "on") == "on" else "peft"
+    elementwise = "compiled" if config.get("fused_elementwise", "off") == "on" else "eager"
     return "\n".join([head, "", "(b) Rollout", ""] + _rollout_table(payload)
-                     + ["", f"(c) One GRPO step (LoRA ops: {'fused' if lora == 'on' else 'peft'})", ""]
+                     + ["", f"(c) One GRPO step (LoRA ops: {lora}; RMSNorm, SiLU * up: {elementwise})", ""]
                      + _step_table(payload) + _update_profile_table(payload)
                      + ["", "(d) Peak memory of one GRPO update", ""]
                      + _memory_table(payload) + _errors(payload))

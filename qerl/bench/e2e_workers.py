@@ -57,7 +57,7 @@ def _build(args, fp4: bool, size: str):
 
 def make_trainer(model, tokenizer, prompts, *, fp4: bool, num_generations: int, completion_len: int,
                  micro_batch_size: int, lora_r: int, seed: int, offload: bool = False,
-                 logprob_chunk: int | None = None, mlp_chunks: int = 1):
+                 logprob_chunk: int | None = None, mlp_chunks: int = 1, fused_elementwise: bool = True):
     """The project's GRPOTrainer on synthetic prompts and a random reward (no AQN: sigma would be 0 at step 0)."""
     from qerl.config import TrainConfig
     from qerl.trainer import GRPOTrainer
@@ -65,7 +65,7 @@ def make_trainer(model, tokenizer, prompts, *, fp4: bool, num_generations: int, 
     cfg = TrainConfig(mode="qlora_fp4" if fp4 else "lora", data={"source": "bench"}, rewards=["random"],
                       num_generations=num_generations, batch_size=len(prompts), micro_batch_size=micro_batch_size,
                       max_steps=4, max_completion_length=completion_len, gradient_checkpointing=True, aqn=None,
-                      offload_activations=offload, mlp_chunks=mlp_chunks,
+                      offload_activations=offload, mlp_chunks=mlp_chunks, fused_elementwise=fused_elementwise,
                       lora={"lora_r": lora_r, "lora_alpha": 2 * lora_r}, seed=seed,
                       **({"logprob_chunk_size": logprob_chunk} if logprob_chunk else {}))
     return GRPOTrainer(cfg, model, tokenizer, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
@@ -217,7 +217,8 @@ def speed_worker(args, mode: str, size: str, on_part=None) -> dict:
     trainer = make_trainer(model, tokenizer, prompts, fp4=fp4, num_generations=args.group,
                            completion_len=max(1, args.step_completion), micro_batch_size=args.micro_batch,
                            lora_r=args.lora_r, seed=args.seed, logprob_chunk=args.logprob_chunk,
-                           mlp_chunks=args.mlp_chunks)
+                           mlp_chunks=args.mlp_chunks,
+                           fused_elementwise=args.fused_elementwise == "on")
     if args.cuda_graph == "off":  # eager decode steps (the engine's own fallback path), static cache kept
         trainer.engine.use_cuda_graph = False
     if args.compile == "off":
@@ -261,7 +262,8 @@ def memory_worker(args, mode: str, size: str, micro_batch: int | None = None, of
     prompts = random_prompts(tokenizer, rows, plen, args.seed)
     trainer = make_trainer(model, tokenizer, prompts[:1], fp4=fp4, num_generations=max(2, rows), completion_len=clen,
                            micro_batch_size=rows, lora_r=args.lora_r, seed=args.seed, offload=offload,
-                           logprob_chunk=args.logprob_chunk, mlp_chunks=args.mlp_chunks)
+                           logprob_chunk=args.logprob_chunk, mlp_chunks=args.mlp_chunks,
+                           fused_elementwise=args.fused_elementwise == "on")
     ids = torch.randint(0, 30000, (rows, plen + clen), generator=gen)
     batch = Batch(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
                   completion_mask=torch.ones(rows, clen, device=device),

@@ -1,0 +1,154 @@
+"""RMSNorm and the gated MLP's SiLU(gate) * up as torch.compile'd kernels in the training forward and backward.
+
+    n = fuse_elementwise(model)          # every RMSNorm and SiLU-gated MLP that behaves as transformers' Llama/Qwen2
+    fuse_elementwise(model, False)       # the original forwards back
+
+transformers' eager RMSNorm is seven kernels forward (fp32 copy, pow, mean, add + rsqrt, multiply, bf16 copy, times
+the scale) and about as many again in backward, each over a (tokens, hidden) tensor, mostly in fp32; with gradient
+checkpointing the forward runs twice. Under torch.compile (inductor) the same math is one kernel forward and one
+backward; SiLU(gate) * up likewise. On a 7B GRPO update these element-wise passes were ~40% of the GPU time (bf16
+and FP4 alike: BENCHMARKS.md, session 11).
+
+The compiled path runs only while autograd records on CUDA tensors (training forward, its recomputation, backward);
+no_grad calls (rollouts, whose engine compiles its own whole decode step, evaluation, reference log-probs) and CPU
+tensors run the original forward. A module is swapped only if its original forward gives the reference result on
+a small probe input (so a norm of another form, e.g. Gemma's (1 + weight), or an MLP of another shape is left
+alone). Results match eager up to bf16 rounding (inductor computes the chain in fp32 and rounds once).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ORIGINAL = "_qerl_unfused_forward"
+DEVICE_TYPES = ("cuda",)  # where the compiled kernels run (inductor's CPU backend needs a C++ toolchain)
+BACKEND = "inductor"  # torch.compile backend (tests on CPU use "aot_eager": the same autograd graphs, no codegen)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama/Qwen2 RMSNorm: normalise in fp32, round to the input dtype, times the scale."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+_COMPILED: dict[tuple[str, str], object] = {}
+
+
+def _compiled(name: str):
+    key = (name, BACKEND)
+    if key not in _COMPILED:
+        fn = {"rms_norm": rms_norm_reference, "silu_mul": silu_mul_reference}[name]
+        _COMPILED[key] = torch.compile(fn, dynamic=True, fullgraph=True, backend=BACKEND)
+    return _COMPILED[key]
+
+
+def _use_compiled(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.device.type in DEVICE_TYPES and not torch.compiler.is_compiling()
+
+
+def _norm_forward(module: nn.Module, original, hidden_states: torch.Tensor, *args, **kwargs):
+    if args or kwargs or not _use_compiled(hidden_states):
+        return original(hidden_states, *args, **kwargs)
+    return _compiled("rms_norm")(hidden_states, module.weight, module.variance_epsilon)
+
+
+def _mlp_forward(module: nn.Module, original, x: torch.Tensor, *args, **kwargs):
+    if args or kwargs or not _use_compiled(x):
+        return original(x, *args, **kwargs)
+    return module.down_proj(_compiled("silu_mul")(module.gate_proj(x), module.up_proj(x)))
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(getattr(
+        module, "variance_epsilon", None), float) and not isinstance(module, nn.Linear))
+
+
+def _is_silu_mlp(module: nn.Module) -> bool:
+    act = getattr(module, "act_fn", None)
+    return (all(isinstance(getattr(module, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
+            and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"))
+
+
+@torch.no_grad()
+def _behaves(original, replacement, probe: torch.Tensor) -> bool:
+    """Does the module's own forward give the reference result on `probe`? (eager, a few tokens)"""
+    try:
+        want, got = original(probe), replacement(probe)
+    except Exception:  # noqa: BLE001 - a module we cannot probe is left as it is
+        return False
+    if want.shape != got.shape:
+        return False
+    tol = 1e-5 if probe.dtype in (torch.float32, torch.float64) else 2e-2
+    return bool(torch.allclose(want.float(), got.float(), rtol=tol, atol=tol * float(want.abs().max()) + 1e-6))
+
+
+def _probe(module: nn.Module, width: int) -> torch.Tensor:
+    ref = next((t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()), None)
+    dtype = ref.dtype if ref is not None else torch.float32
+    device = next((t.device for t in list(module.parameters()) + list(module.buffers())), torch.device("cpu"))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randn(3, width, generator=gen).to(device=device, dtype=dtype)
+
+
+def _mlp_width(module: nn.Module) -> int | None:
+    layer = module.gate_proj
+    base = getattr(layer, "base_layer", layer)
+    return getattr(base, "in_features", None)
+
+
+def _restore(module: nn.Module) -> None:
+    original, instance_forward = getattr(module, _ORIGINAL)
+    delattr(module, _ORIGINAL)
+    if instance_forward:
+        module.forward = original
+    else:
+        del module.forward
+
+
+def fuse_elementwise(model: nn.Module, enabled: bool = True) -> int:
+    """Swap the forward of every RMSNorm and SiLU-gated MLP of `model` for the compiled one (enabled) or put the
+    originals back (False); returns how many modules run the compiled forward now (enabled) or were restored.
+    Modules with another instance forward are skipped, and a fused module wrapped since (an MLP tiled by
+    qerl.tiled_mlp) stays as it is: fuse before tiling, untile before unfusing."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, _ORIGINAL):
+            if getattr(module.forward, "func", None) not in (_norm_forward, _mlp_forward):
+                count += enabled  # wrapped again since (qerl.tiled_mlp's tiles): left as it is, still fused
+                continue
+            _restore(module)
+            count += not enabled
+        if not enabled:
+            continue
+        if "forward" in vars(module):  # someone else's instance forward (e.g. qerl.tiled_mlp): left alone
+            continue
+        if _is_rms_norm(module):
+            kind, width, fused = "norm", module.weight.shape[0], _norm_forward
+            reference = functools.partial(rms_norm_reference, weight=module.weight, eps=module.variance_epsilon)
+        elif _is_silu_mlp(module) and _mlp_width(module):
+            kind, width, fused = "mlp", _mlp_width(module), _mlp_forward
+            reference = (lambda m: lambda x: m.down_proj(silu_mul_reference(m.gate_proj(x), m.up_proj(x))))(module)
+        else:
+            continue
+        original = module.forward
+        if not _behaves(original, reference, _probe(module, width)):
+            continue
+        setattr(module, _ORIGINAL, (original, "forward" in vars(module)))
+        module.forward = functools.partial(fused, module, original)
+        count += 1
+    return count
+
+
+def fused_modules(model: nn.Module) -> int:
+    """How many modules of `model` run the compiled forward now."""
+    return sum(hasattr(m, _ORIGINAL) for m in model.modules())
