@@ -1,13 +1,15 @@
-"""RMSNorm and the gated MLP's SiLU(gate) * up as torch.compile'd kernels in the training forward and backward.
+"""RMSNorm, the gated MLP's SiLU(gate) * up and the log-prob head as torch.compile'd kernels in training.
 
-    n = fuse_elementwise(model)          # every RMSNorm and SiLU-gated MLP that behaves as transformers' Llama/Qwen2
-    fuse_elementwise(model, False)       # the original forwards back
+    n = fuse_elementwise(model)     # every RMSNorm and SiLU-gated MLP that behaves as transformers' Llama/Qwen2,
+                                    # and the output embedding's log-probs in qerl.grpo (chunked_head_logprobs)
+    fuse_elementwise(model, False)  # the original forwards back
 
 transformers' eager RMSNorm is seven kernels forward (fp32 copy, pow, mean, add + rsqrt, multiply, bf16 copy, times
 the scale) and about as many again in backward, each over a (tokens, hidden) tensor, mostly in fp32; with gradient
 checkpointing the forward runs twice. Under torch.compile (inductor) the same math is one kernel forward and one
-backward; SiLU(gate) * up likewise. On a 7B GRPO update these element-wise passes were ~40% of the GPU time (bf16
-and FP4 alike: BENCHMARKS.md, session 11).
+backward; SiLU(gate) * up likewise; the log-probs and entropies of the lm_head chunks (target_logprobs) read the
+bf16 logits a few times instead of making and re-reading an fp32 log-softmax. On a 7B GRPO update these
+element-wise passes were ~40% of the GPU time (bf16 and FP4 alike: BENCHMARKS.md, session 11).
 
 The compiled path runs only while autograd records on CUDA tensors (training forward, its recomputation, backward);
 no_grad calls (rollouts, whose engine compiles its own whole decode step, evaluation, reference log-probs) and CPU
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 _ORIGINAL = "_qerl_unfused_forward"
+_HEAD_MARK = "_qerl_fused_logprobs"  # on the output embedding: qerl.grpo's chunked log-probs use target_logprobs
 DEVICE_TYPES = ("cuda",)  # where the compiled kernels run (inductor's CPU backend needs a C++ toolchain)
 BACKEND = "inductor"  # torch.compile backend (tests on CPU use "aot_eager": the same autograd graphs, no codegen)
 
@@ -46,7 +49,8 @@ _COMPILED: dict[tuple[str, str], object] = {}
 def _compiled(name: str):
     key = (name, BACKEND)
     if key not in _COMPILED:
-        fn = {"rms_norm": rms_norm_reference, "silu_mul": silu_mul_reference}[name]
+        fn = {"rms_norm": rms_norm_reference, "silu_mul": silu_mul_reference,
+              "target_logprobs": target_logprobs_reference}[name]
         _COMPILED[key] = torch.compile(fn, dynamic=True, fullgraph=True, backend=BACKEND)
     return _COMPILED[key]
 
@@ -77,6 +81,25 @@ def _is_silu_mlp(module: nn.Module) -> bool:
     act = getattr(module, "act_fn", None)
     return (all(isinstance(getattr(module, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
             and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"))
+
+
+def target_logprobs_reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """log softmax(logits / T)[target] and the (detached) entropy of softmax(logits / T), rows of (N, V) logits:
+    qerl.grpo.TargetLogProb's result. Compiled, the forward is a few passes over the bf16 logits, the fp32 log-
+    softmax never exists in memory, and backward is one pass writing the logits' gradient."""
+    u = logits.float() / temperature
+    logp_all = u - torch.logsumexp(u, dim=-1, keepdim=True)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy.detach()
+
+
+def target_logprobs(head: nn.Module, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """The compiled log-probs and entropies when `head` was marked by fuse_elementwise and autograd records on a
+    device of DEVICE_TYPES; None otherwise (the caller's own path)."""
+    if not (getattr(head, _HEAD_MARK, False) and _use_compiled(logits)):
+        return None
+    return _compiled("target_logprobs")(logits, targets, temperature)
 
 
 @torch.no_grad()
@@ -121,6 +144,10 @@ def fuse_elementwise(model: nn.Module, enabled: bool = True) -> int:
     Modules with another instance forward are skipped, and a fused module wrapped since (an MLP tiled by
     qerl.tiled_mlp) stays as it is: fuse before tiling, untile before unfusing."""
     count = 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, nn.Module):
+        count += enabled or bool(getattr(head, _HEAD_MARK, False))
+        setattr(head, _HEAD_MARK, enabled)
     for module in model.modules():
         if hasattr(module, _ORIGINAL):
             if getattr(module.forward, "func", None) not in (_norm_forward, _mlp_forward):
@@ -150,5 +177,6 @@ def fuse_elementwise(model: nn.Module, enabled: bool = True) -> int:
 
 
 def fused_modules(model: nn.Module) -> int:
-    """How many modules of `model` run the compiled forward now."""
-    return sum(hasattr(m, _ORIGINAL) for m in model.modules())
+    """How many modules of `model` run the compiled forward now (the output embedding counts when its log-probs
+    are compiled)."""
+    return sum(hasattr(m, _ORIGINAL) or bool(getattr(m, _HEAD_MARK, False)) for m in model.modules())

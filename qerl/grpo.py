@@ -121,8 +121,13 @@ class TargetLogProb(torch.autograd.Function):
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float):
-    """log p(target) and entropy for a (N, H) chunk; logits live only inside this call (checkpointed)."""
-    return TargetLogProb.apply(head(hidden), targets, temperature)
+    """log p(target) and entropy for a (N, H) chunk; logits live only inside this call (checkpointed). A head
+    marked by qerl.fused_elementwise takes the compiled path while autograd records on the GPU."""
+    from qerl.fused_elementwise import target_logprobs
+
+    logits = head(hidden)
+    fused = target_logprobs(head, logits, targets, temperature)
+    return fused if fused is not None else TargetLogProb.apply(logits, targets, temperature)
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int, *,

@@ -62,8 +62,8 @@ def test_reference_is_transformers_rmsnorm_in_float64_and_bf16():
 def test_training_forward_and_backward_match_eager(on_cpu):
     ids = torch.randint(0, 300, (3, 11), generator=torch.Generator().manual_seed(2))
     plain, fused = _model(), _model()
-    assert fe.fuse_elementwise(fused) == 2 * 2 + 1 + 2  # 2 norms per layer + the final one, 2 MLPs
-    assert fe.fused_modules(fused) == 7
+    assert fe.fuse_elementwise(fused) == 2 * 2 + 1 + 2 + 1  # 2 norms per layer + the final one, 2 MLPs, lm_head
+    assert fe.fused_modules(fused) == 8
     logits0, g0 = _loss_and_grads(plain.train(), ids)
     logits1, g1 = _loss_and_grads(fused.train(), ids)
     # the forward (5 norms, 2 MLPs) and the checkpointed layers' recomputation (4, 2) ran the compiled functions
@@ -74,6 +74,49 @@ def test_training_forward_and_backward_match_eager(on_cpu):
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-9, atol=1e-11, msg=name)
 
 
+def test_target_logprobs_match_the_custom_function_in_float64(on_cpu):
+    from qerl.grpo import TargetLogProb
+
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(7, 50, generator=gen, dtype=torch.float64) * 3).requires_grad_(True)
+    targets = torch.randint(0, 50, (7,), generator=gen)
+    g = torch.randn(7, generator=gen, dtype=torch.float64)
+    head = nn.Linear(4, 50)
+    for temperature in (1.0, 0.7):
+        want = TargetLogProb.apply(logits, targets, temperature)
+        (gw,) = torch.autograd.grad(want[0], logits, g)
+        assert fe.target_logprobs(head, logits, targets, temperature) is None  # not marked: the caller's path
+        setattr(head, fe._HEAD_MARK, True)
+        got = fe.target_logprobs(head, logits, targets, temperature)
+        setattr(head, fe._HEAD_MARK, False)
+        (gg,) = torch.autograd.grad(got[0], logits, g)
+        assert not got[1].requires_grad
+        for a, b in ((got[0], want[0]), (got[1], want[1]), (gg, gw)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # both compute in fp32
+    assert on_cpu == ["target_logprobs"] * 2
+
+
+def test_token_logprobs_of_a_fused_model_match(on_cpu):
+    from qerl.grpo import token_logprobs
+
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    results = []
+    for fused in (False, True):
+        model = _model().train()
+        fe.fuse_elementwise(model, fused)
+        lp, ent = token_logprobs(model, ids, mask, 5, temperature=0.9, chunk_size=4)
+        (lp * torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype).view_as(lp)).sum().backward()
+        results.append((lp.detach(), ent, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    assert on_cpu.count("target_logprobs") >= 3  # 10 positions in chunks of 4 (+ their recomputation)
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    torch.testing.assert_close(lp1, lp0, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ent1, ent0, rtol=1e-10, atol=1e-10)
+    assert g0.keys() == g1.keys() and len(g0) > 0
+    for name in g0:  # both heads compute in fp32 whatever the model's dtype: fp32-level agreement
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=2e-6 * float(g0[name].abs().max()), msg=name)
+
+
 def test_no_grad_and_unfused_calls_run_the_original(on_cpu):
     model = _model()
     fe.fuse_elementwise(model)
@@ -81,7 +124,7 @@ def test_no_grad_and_unfused_calls_run_the_original(on_cpu):
     with torch.no_grad():
         model(input_ids=ids)
     assert on_cpu == []  # rollouts / evaluation: transformers' own forward
-    assert fe.fuse_elementwise(model, False) == 7
+    assert fe.fuse_elementwise(model, False) == 8
     assert fe.fused_modules(model) == 0
     assert not any("forward" in vars(m) for m in model.modules())
     model(input_ids=ids).logits.sum().backward()
@@ -127,9 +170,9 @@ def test_fuse_before_tiling_keeps_the_tiles(on_cpu, monkeypatch):
     # again when its own checkpoint recomputes it in backward (how often with nested checkpoints: torch's business)
     assert len(slices) == 2 * 3 * 2 and on_cpu.count("silu_mul") >= 2 * 3 * 2
     tile_mlps(model, 1)
-    assert fe.fuse_elementwise(model, True) == 7  # re-fusing after untiling finds every module again
+    assert fe.fuse_elementwise(model, True) == 8  # re-fusing after untiling finds every module again
     tile_mlps(model, 2)
-    assert fe.fuse_elementwise(model, True) == 7  # the tiles around the fused MLPs stay
+    assert fe.fuse_elementwise(model, True) == 8  # the tiles around the fused MLPs stay
     slices.clear()
     model(input_ids=ids).logits.sum().backward()
     assert len(slices) == 2 * 2 * 2
@@ -137,7 +180,7 @@ def test_fuse_before_tiling_keeps_the_tiles(on_cpu, monkeypatch):
 
     plain = _model()
     tile_mlps(plain, 2)
-    assert fe.fuse_elementwise(plain) == 5  # an MLP tiled first has its own instance forward: not swapped
+    assert fe.fuse_elementwise(plain) == 6  # an MLP tiled first has its own instance forward: not swapped
 
 
 def test_trainer_fuses_by_config(tokenizer_dir, tmp_path):
@@ -153,7 +196,7 @@ def test_trainer_fuses_by_config(tokenizer_dir, tmp_path):
                           micro_batch_size=2, max_completion_length=4, aqn=None, fused_elementwise=flag)
         trainer = GRPOTrainer(cfg, model, tok, [[1, 2, 3]] * 2, ["1"] * 2,
                               [("format", lambda c, **k: [0.0] * len(c), 1.0)], checkpoint_dir=tmp_path / str(flag))
-        assert (fe.fused_modules(trainer.model) == 7) is flag
+        assert (fe.fused_modules(trainer.model) == 8) is flag
         trainer.engine.close()
 
 
@@ -166,7 +209,7 @@ def test_inductor_kernels_match_eager_on_the_gpu(dtype):
     ref64 = _model("cuda", torch.float64)
     plain, fused = copy.deepcopy(ref64).to(dtype), copy.deepcopy(ref64).to(dtype)
     logits64, g64 = _loss_and_grads(ref64.train(), ids)
-    assert fe.fuse_elementwise(fused) == 7
+    assert fe.fuse_elementwise(fused) == 8
     logits0, g0 = _loss_and_grads(plain.train(), ids)
     logits1, g1 = _loss_and_grads(fused.train(), ids)
     # against float64: the compiled path is as close as transformers' eager path in the same dtype
@@ -176,3 +219,34 @@ def test_inductor_kernels_match_eager_on_the_gpu(dtype):
     assert g64.keys() == g1.keys() and len(g64) > 0
     for name in g64:
         assert err(g1[name], g64[name]) <= max(2 * err(g0[name], g64[name]), tol / 10), name
+
+
+@pytest.mark.gpu
+def test_compiled_head_logprobs_on_the_gpu_match_and_use_less_memory():
+    from qerl.grpo import TargetLogProb
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    n, vocab = 256, 152064
+    logits = (torch.randn(n, vocab, generator=gen, device="cuda") * 4).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.randint(0, vocab, (n,), generator=gen, device="cuda")
+    g = torch.randn(n, generator=gen, device="cuda")
+    head = nn.Linear(4, vocab)
+    setattr(head, fe._HEAD_MARK, True)
+    ref = [t.double() for t in TargetLogProb.apply(logits.double(), targets, 0.8)]
+    (gref,) = torch.autograd.grad(ref[0], logits, g.double())
+    peaks, results = [], []
+    for fused in (False, True):
+        fe.target_logprobs(head, logits, targets, 0.8)  # compile outside the measurement
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = (fe.target_logprobs(head, logits, targets, 0.8) if fused
+               else TargetLogProb.apply(logits, targets, 0.8))
+        (grad,) = torch.autograd.grad(out[0], logits, g)
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        results.append((out[0].double(), out[1].double(), grad.double()))
+    for got in results:
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(got[2], gref.double(), rtol=1e-2, atol=5e-3 * float(gref.abs().max()))
+    assert peaks[1] <= peaks[0], peaks  # no fp32 (N, V) buffer held between forward and backward
