@@ -214,7 +214,7 @@ def test_inductor_kernels_match_eager_on_the_gpu(dtype):
     logits1, g1 = _loss_and_grads(fused.train(), ids)
     # against float64: the compiled path is as close as transformers' eager path in the same dtype
     err = lambda a, b: float((a.double() - b).abs().max() / b.abs().max())  # noqa: E731
-    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    tol = 0.2 if dtype == torch.bfloat16 else 1e-4  # 2 random layers in bf16: eager is ~9% off float64 at worst
     assert err(logits0, logits64) < tol and err(logits1, logits64) <= max(2 * err(logits0, logits64), tol / 10)
     assert g64.keys() == g1.keys() and len(g64) > 0
     for name in g64:
