@@ -47,11 +47,25 @@ _COMPILED: dict[tuple[str, str], object] = {}
 
 
 def _compiled(name: str):
+    """The compiled function: shapes static except the token dimensions (every dim but the last of each tensor
+    argument; qerl marks them dynamic on each call), so the model's widths are constants to inductor. H100:
+    target_logprobs (256 x 152064) compiles in 8.7 s this way, 66 s with every dimension symbolic (dynamic=True)."""
     key = (name, BACKEND)
     if key not in _COMPILED:
         fn = {"rms_norm": rms_norm_reference, "silu_mul": silu_mul_reference,
               "target_logprobs": target_logprobs_reference}[name]
-        _COMPILED[key] = torch.compile(fn, dynamic=True, fullgraph=True, backend=BACKEND)
+        compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=BACKEND)
+
+        def call(*args):
+            for t in args:
+                if isinstance(t, torch.Tensor) and t.dim() > 1:
+                    for d in range(t.dim() - 1):
+                        torch._dynamo.maybe_mark_dynamic(t, d)
+                elif isinstance(t, torch.Tensor) and t.dim() == 1 and name == "target_logprobs":
+                    torch._dynamo.maybe_mark_dynamic(t, 0)  # the targets, one per logits row
+            return compiled(*args)
+
+        _COMPILED[key] = call
     return _COMPILED[key]
 
 
