@@ -212,13 +212,14 @@ def test_inductor_kernels_match_eager_on_the_gpu(dtype):
     assert fe.fuse_elementwise(fused) == 8
     logits0, g0 = _loss_and_grads(plain.train(), ids)
     logits1, g1 = _loss_and_grads(fused.train(), ids)
-    # against float64: the compiled path is as close as transformers' eager path in the same dtype
-    err = lambda a, b: float((a.double() - b).abs().max() / b.abs().max())  # noqa: E731
-    tol = 0.2 if dtype == torch.bfloat16 else 1e-4  # 2 random layers in bf16: eager is ~9% off float64 at worst
-    assert err(logits0, logits64) < tol and err(logits1, logits64) <= max(2 * err(logits0, logits64), tol / 10)
+    # against float64 (relative Frobenius error): the compiled path is about as close as transformers' eager path
+    # in the same dtype (bf16: each is its own rounding noise, so a margin of 3x)
+    err = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
+    assert err(logits0, logits64) < tol and err(logits1, logits64) <= max(3 * err(logits0, logits64), tol / 10)
     assert g64.keys() == g1.keys() and len(g64) > 0
     for name in g64:
-        assert err(g1[name], g64[name]) <= max(2 * err(g0[name], g64[name]), tol / 10), name
+        assert err(g1[name], g64[name]) <= max(3 * err(g0[name], g64[name]), tol / 10), name
 
 
 @pytest.mark.gpu
