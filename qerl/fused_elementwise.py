@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 _ORIGINAL = "_qerl_unfused_forward"
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # not FP8 scales, not packed FP4
 _HEAD_MARK = "_qerl_fused_logprobs"  # on the output embedding: qerl.grpo's chunked log-probs use target_logprobs
 DEVICE_TYPES = ("cuda",)  # where the compiled kernels run (inductor's CPU backend needs a C++ toolchain)
 BACKEND = "inductor"  # torch.compile backend (tests on CPU use "aot_eager": the same autograd graphs, no codegen)
@@ -130,7 +131,7 @@ def _behaves(original, replacement, probe: torch.Tensor) -> bool:
 
 
 def _probe(module: nn.Module, width: int) -> torch.Tensor:
-    ref = next((t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()), None)
+    ref = next((t for t in list(module.parameters()) + list(module.buffers()) if t.dtype in _COMPUTE_DTYPES), None)
     dtype = ref.dtype if ref is not None else torch.float32
     device = next((t.device for t in list(module.parameters()) + list(module.buffers())), torch.device("cpu"))
     gen = torch.Generator(device="cpu").manual_seed(0)

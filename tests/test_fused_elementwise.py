@@ -131,6 +131,26 @@ def test_no_grad_and_unfused_calls_run_the_original(on_cpu):
     assert on_cpu == []
 
 
+def test_fp4_lora_model_is_fused_and_trains_the_same(on_cpu):
+    """FP4 decoder layers (packed bytes, FP8 scales) + LoRA: the probe runs in the adapters' dtype, every module is
+    recognised, and one forward/backward gives the eager gradients."""
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(7))
+    grads = []
+    for fused in (False, True):
+        model = attach_lora(build_random_model(_config(), fp4=True, device="cpu", dtype=torch.float32, seed=0),
+                            r=4, alpha=8, fp4=True, gradient_checkpointing=True)
+        gen = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = torch.randn(p.shape, generator=gen) * 0.2
+        assert fe.fuse_elementwise(model, fused) == (8 if fused else 0)
+        grads.append(_loss_and_grads(model.train(), ids)[1])
+    assert on_cpu.count("silu_mul") == 4 and grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * 7 * 2
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0,
+                                   atol=1e-5 * float(grads[0][name].abs().max()), msg=name)
+
+
 def test_modules_of_another_form_are_left_alone():
     class OnePlusNorm(nn.Module):  # Gemma's form: x_hat * (1 + weight)
         def __init__(self):
