@@ -187,7 +187,7 @@ def markdown(payload: dict) -> str:
     lora = "fused" if config.get("fused_lora", "on") == "on" else "peft"
     elementwise = "compiled" if config.get("fused_elementwise", "off") == "on" else "eager"
     return "\n".join([head, "", "(b) Rollout", ""] + _rollout_table(payload)
-                     + ["", f"(c) One GRPO step (LoRA ops: {lora}; RMSNorm, SiLU * up: {elementwise})", ""]
+                     + ["", f"(c) One GRPO step (LoRA ops: {lora}; RMSNorm, SiLU * up, log-probs: {elementwise})", ""]
                      + _step_table(payload) + _update_profile_table(payload)
                      + ["", "(d) Peak memory of one GRPO update", ""]
                      + _memory_table(payload) + _errors(payload))

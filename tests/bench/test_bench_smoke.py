@@ -87,7 +87,7 @@ def test_table_and_files(run):
     payload, out = run
     table = e2e_report.markdown(payload)
     assert "(b) Rollout" in table and "(d) Peak memory" in table and payload["device"] in table
-    assert "(c) One GRPO step (LoRA ops: fused; RMSNorm, SiLU * up: compiled)" in table and "(c) One update under torch.profiler" in table
+    assert "(c) One GRPO step (LoRA ops: fused; RMSNorm, SiLU * up, log-probs: compiled)" in table and "(c) One update under torch.profiler" in table
     assert not list(out.glob("*.tmp")) and (out / "e2e_parts").is_dir()
 
 
