@@ -20,10 +20,13 @@ alone). Results match eager up to bf16 rounding (inductor computes the chain in 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qerl.forward_swap import restore_forward, swap_forward
 
 _ORIGINAL = "_qerl_unfused_forward"
 _COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # not FP8 scales, not packed FP4
@@ -47,6 +50,23 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 _COMPILED: dict[tuple[str, str], object] = {}
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compilation raises (anything else, e.g. checkpoint's early-stop signal, passes through)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    errors: list[type[BaseException]] = [TorchDynamoException]
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+_COMPILE_ERRORS = _compile_errors()
+
+
 def _compiled(name: str):
     """The compiled function: shapes static except the token dimensions (every dim but the last of each tensor
     argument; qerl marks them dynamic on each call), so the model's widths are constants to inductor. H100:
@@ -56,15 +76,24 @@ def _compiled(name: str):
         fn = {"rms_norm": rms_norm_reference, "silu_mul": silu_mul_reference,
               "target_logprobs": target_logprobs_reference}[name]
         compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=BACKEND)
+        failed = []
 
         def call(*args):
+            if failed:
+                return fn(*args)
             for t in args:
                 if isinstance(t, torch.Tensor) and t.dim() > 1:
                     for d in range(t.dim() - 1):
                         torch._dynamo.maybe_mark_dynamic(t, d)
                 elif isinstance(t, torch.Tensor) and t.dim() == 1 and name == "target_logprobs":
                     torch._dynamo.maybe_mark_dynamic(t, 0)  # the targets, one per logits row
-            return compiled(*args)
+            try:
+                return compiled(*args)
+            except _COMPILE_ERRORS as exc:  # no compiler, an inductor bug: the eager ops still work
+                warnings.warn(f"qerl.fused_elementwise: torch.compile of {name} failed ({type(exc).__name__}: "
+                              f"{str(exc)[:300]}); eager ops from now on", RuntimeWarning, stacklevel=2)
+                failed.append(exc)
+                return fn(*args)
 
         _COMPILED[key] = call
     return _COMPILED[key]
@@ -144,15 +173,6 @@ def _mlp_width(module: nn.Module) -> int | None:
     return getattr(base, "in_features", None)
 
 
-def _restore(module: nn.Module) -> None:
-    original, instance_forward = getattr(module, _ORIGINAL)
-    delattr(module, _ORIGINAL)
-    if instance_forward:
-        module.forward = original
-    else:
-        del module.forward
-
-
 def fuse_elementwise(model: nn.Module, enabled: bool = True) -> int:
     """Swap the forward of every RMSNorm and SiLU-gated MLP of `model` for the compiled one (enabled) or put the
     originals back (False); returns how many modules run the compiled forward now (enabled) or were restored.
@@ -168,7 +188,7 @@ def fuse_elementwise(model: nn.Module, enabled: bool = True) -> int:
             if getattr(module.forward, "func", None) not in (_norm_forward, _mlp_forward):
                 count += enabled  # wrapped again since (qerl.tiled_mlp's tiles): left as it is, still fused
                 continue
-            _restore(module)
+            restore_forward(module, _ORIGINAL)
             count += not enabled
         if not enabled:
             continue
@@ -185,8 +205,7 @@ def fuse_elementwise(model: nn.Module, enabled: bool = True) -> int:
         original = module.forward
         if not _behaves(original, reference, _probe(module, width)):
             continue
-        setattr(module, _ORIGINAL, (original, "forward" in vars(module)))
-        module.forward = functools.partial(fused, module, original)
+        swap_forward(module, _ORIGINAL, functools.partial(fused, module, original))
         count += 1
     return count
 

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from qerl.forward_swap import restore_forward, swap_forward
+
 _ORIGINAL = "_qerl_untiled_forward"
 
 
@@ -41,13 +43,7 @@ def tile_mlps(model: nn.Module, chunks: int) -> int:
     mlps = decoder_mlps(model)
     for mlp in mlps:
         if hasattr(mlp, _ORIGINAL):  # untile first: what `forward` was before (an instance hook, or the class's)
-            original, instance_forward = getattr(mlp, _ORIGINAL)
-            delattr(mlp, _ORIGINAL)
-            if instance_forward:
-                mlp.forward = original
-            else:
-                del mlp.forward
+            restore_forward(mlp, _ORIGINAL)
         if chunks > 1:
-            setattr(mlp, _ORIGINAL, (mlp.forward, "forward" in vars(mlp)))
-            mlp.forward = functools.partial(_tiled_forward, mlp.forward, chunks)
+            swap_forward(mlp, _ORIGINAL, functools.partial(_tiled_forward, mlp.forward, chunks))
     return len(mlps)

@@ -151,6 +151,27 @@ def test_fp4_lora_model_is_fused_and_trains_the_same(on_cpu):
                                    atol=1e-5 * float(grads[0][name].abs().max()), msg=name)
 
 
+def test_a_failing_compile_warns_once_and_runs_eager(monkeypatch):
+    def broken(fn, **kw):
+        def run(*args):
+            raise torch._dynamo.exc.TorchDynamoException("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(fe, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(fe, "BACKEND", "broken-for-this-test")
+    monkeypatch.setattr(torch, "compile", broken)
+    ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(8))
+    plain, fused = _model(), _model()
+    fe.fuse_elementwise(fused)
+    logits0, g0 = _loss_and_grads(plain.train(), ids)
+    with pytest.warns(RuntimeWarning, match="torch.compile of rms_norm failed") as record:
+        logits1, g1 = _loss_and_grads(fused.train(), ids)
+    assert sum("fused_elementwise" in str(w.message) for w in record) == 2  # rms_norm and silu_mul, once each
+    torch.testing.assert_close(logits1, logits0, rtol=1e-12, atol=1e-12)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-12, atol=1e-12)
+
+
 def test_modules_of_another_form_are_left_alone():
     class OnePlusNorm(nn.Module):  # Gemma's form: x_hat * (1 + weight)
         def __init__(self):
