@@ -392,17 +392,19 @@ def test_decode_compile_options_ask_for_pdl_only_on_hopper(monkeypatch):
 
 def _graph_breaks_of_a_compiled_decode(tokenizer_dir, device: str, rows: int) -> tuple[dict, dict]:
     """Graph breaks and dynamo stats of one TorchEngine call over 12 layers with LoRA on `device` (static cache,
-    compiled decode forward; CUDA graphs on the GPU), the adapters set up as the trainer's (gradient checkpointing
-    + peft)."""
+    compiled decode forward; CUDA graphs on the GPU), the model set up as the trainer's (gradient checkpointing
+    + peft, compiled element-wise training ops swapped in)."""
     from torch._dynamo.utils import counters
     from transformers import AutoTokenizer
 
     from qerl.bench.random_models import attach_lora, build_random_model, qwen25_config
+    from qerl.fused_elementwise import fuse_elementwise
 
     config = qwen25_config("7B", hidden_size=128 if device == "cpu" else 256, intermediate_size=256,
                            num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = attach_lora(build_random_model(config, fp4=False, device=device, dtype=dtype), r=8, fp4=False)
+    assert fuse_elementwise(model) == 2 * 12 + 1 + 12 + 1  # as the trainer does: the swapped forwards trace too
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     engine = TorchEngine(model, tok, eos_token_ids=(), cache="static", compile=True)
     torch._dynamo.reset()
