@@ -101,9 +101,9 @@ class TrainConfig(_Section):
     mlp_chunks: int = Field(1, ge=1, le=64, description="token slices of each decoder MLP in training (qerl."
                             "tiled_mlp): backward holds one slice's intermediate-size tensors at a time, for one "
                             "more MLP forward per update")
-    fused_elementwise: bool = Field(True, description="on CUDA, RMSNorm and the MLP's SiLU(gate) * up of the "
-                                    "training forward and backward as torch.compile'd kernels (qerl."
-                                    "fused_elementwise); false: transformers' eager ops")
+    fused_elementwise: bool = Field(True, description="on CUDA, RMSNorm, the MLP's SiLU(gate) * up and the "
+                                    "lm_head chunks' log-probs of the training forward and backward as "
+                                    "torch.compile'd kernels (qerl.fused_elementwise); false: eager ops")
     mixed_precision: Literal["auto", "off"] = Field(
         "auto", description="auto: a model computing in bf16/fp16 with fp32 trainable parameters (peft adapters) "
         "runs its training forward under torch.autocast in the model's dtype (LoRA matmuls in bf16 like the "

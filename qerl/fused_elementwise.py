@@ -50,46 +50,27 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 _COMPILED: dict[tuple[str, str], object] = {}
 
 
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    """What a failed compilation raises (anything else, e.g. checkpoint's early-stop signal, passes through)."""
-    from torch._dynamo.exc import TorchDynamoException
-
-    errors: list[type[BaseException]] = [TorchDynamoException]
-    try:
-        from torch._inductor.exc import InductorError
-
-        errors.append(InductorError)
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
-_COMPILE_ERRORS = _compile_errors()
-
-
 def _compiled(name: str):
-    """The compiled function: shapes static except the token dimensions (every dim but the last of each tensor
-    argument; qerl marks them dynamic on each call), so the model's widths are constants to inductor. H100:
-    target_logprobs (256 x 152064) compiles in 8.7 s this way, 66 s with every dimension symbolic (dynamic=True)."""
+    """The compiled function: shapes static except the token dimensions (_FUNCTIONS says which; marked dynamic on
+    each call), so the model's widths are constants to inductor. H100: target_logprobs (256 x 152064) compiles
+    in 8.7 s this way, 66 s with every dimension symbolic (dynamic=True)."""
     key = (name, BACKEND)
     if key not in _COMPILED:
-        fn = {"rms_norm": rms_norm_reference, "silu_mul": silu_mul_reference,
-              "target_logprobs": target_logprobs_reference}[name]
+        fn, token_dims = _FUNCTIONS[name]
         compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=BACKEND)
         failed = []
 
         def call(*args):
             if failed:
                 return fn(*args)
-            for t in args:
-                if isinstance(t, torch.Tensor) and t.dim() > 1:
-                    for d in range(t.dim() - 1):
-                        torch._dynamo.maybe_mark_dynamic(t, d)
-                elif isinstance(t, torch.Tensor) and t.dim() == 1 and name == "target_logprobs":
-                    torch._dynamo.maybe_mark_dynamic(t, 0)  # the targets, one per logits row
+            for t, dims in zip(args, token_dims):
+                for d in range(t.dim() - 1 if dims is None else dims):
+                    torch._dynamo.maybe_mark_dynamic(t, d)
             try:
                 return compiled(*args)
-            except _COMPILE_ERRORS as exc:  # no compiler, an inductor bug: the eager ops still work
+            # a failed compilation (InductorError and BackendCompilerFailed are TorchDynamoExceptions): the eager
+            # ops still work; anything else, e.g. checkpoint's early-stop signal, passes through
+            except torch._dynamo.exc.TorchDynamoException as exc:
                 warnings.warn(f"qerl.fused_elementwise: torch.compile of {name} failed ({type(exc).__name__}: "
                               f"{str(exc)[:300]}); eager ops from now on", RuntimeWarning, stacklevel=2)
                 failed.append(exc)
@@ -109,10 +90,14 @@ def _norm_forward(module: nn.Module, original, hidden_states: torch.Tensor, *arg
     return _compiled("rms_norm")(hidden_states, module.weight, module.variance_epsilon)
 
 
+def _gated_mlp(module: nn.Module, silu_mul, x: torch.Tensor) -> torch.Tensor:
+    return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
+
+
 def _mlp_forward(module: nn.Module, original, x: torch.Tensor, *args, **kwargs):
     if args or kwargs or not _use_compiled(x):
         return original(x, *args, **kwargs)
-    return module.down_proj(_compiled("silu_mul")(module.gate_proj(x), module.up_proj(x)))
+    return _gated_mlp(module, _compiled("silu_mul"), x)
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
@@ -146,6 +131,12 @@ def target_logprobs(head: nn.Module, logits: torch.Tensor, targets: torch.Tensor
     return _compiled("target_logprobs")(logits, targets, temperature)
 
 
+# name -> (eager function, per tensor argument: how many leading dims are token dims, None = all but the last)
+_FUNCTIONS = {"rms_norm": (rms_norm_reference, (None, 0)),
+              "silu_mul": (silu_mul_reference, (None, None)),
+              "target_logprobs": (target_logprobs_reference, (None, 1))}
+
+
 @torch.no_grad()
 def _behaves(original, replacement, probe: torch.Tensor) -> bool:
     """Does the module's own forward give the reference result on `probe`? (eager, a few tokens)"""
@@ -160,9 +151,10 @@ def _behaves(original, replacement, probe: torch.Tensor) -> bool:
 
 
 def _probe(module: nn.Module, width: int) -> torch.Tensor:
-    ref = next((t for t in list(module.parameters()) + list(module.buffers()) if t.dtype in _COMPUTE_DTYPES), None)
+    tensors = list(module.parameters()) + list(module.buffers())
+    ref = next((t for t in tensors if t.dtype in _COMPUTE_DTYPES), None)
     dtype = ref.dtype if ref is not None else torch.float32
-    device = next((t.device for t in list(module.parameters()) + list(module.buffers())), torch.device("cpu"))
+    device = tensors[0].device if tensors else torch.device("cpu")
     gen = torch.Generator(device="cpu").manual_seed(0)
     return torch.randn(3, width, generator=gen).to(device=device, dtype=dtype)
 
@@ -195,11 +187,11 @@ def fuse_elementwise(model: nn.Module, enabled: bool = True) -> int:
         if "forward" in vars(module):  # someone else's instance forward (e.g. qerl.tiled_mlp): left alone
             continue
         if _is_rms_norm(module):
-            kind, width, fused = "norm", module.weight.shape[0], _norm_forward
+            width, fused = module.weight.shape[0], _norm_forward
             reference = functools.partial(rms_norm_reference, weight=module.weight, eps=module.variance_epsilon)
         elif _is_silu_mlp(module) and _mlp_width(module):
-            kind, width, fused = "mlp", _mlp_width(module), _mlp_forward
-            reference = (lambda m: lambda x: m.down_proj(silu_mul_reference(m.gate_proj(x), m.up_proj(x))))(module)
+            width, fused = _mlp_width(module), _mlp_forward
+            reference = functools.partial(_gated_mlp, module, silu_mul_reference)
         else:
             continue
         original = module.forward

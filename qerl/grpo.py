@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from qerl.errors import QerlError
+from qerl.fused_elementwise import target_logprobs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -123,8 +124,6 @@ class TargetLogProb(torch.autograd.Function):
 def _chunk_logprobs(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float):
     """log p(target) and entropy for a (N, H) chunk; logits live only inside this call (checkpointed). A head
     marked by qerl.fused_elementwise takes the compiled path while autograd records on the GPU."""
-    from qerl.fused_elementwise import target_logprobs
-
     logits = head(hidden)
     fused = target_logprobs(head, logits, targets, temperature)
     return fused if fused is not None else TargetLogProb.apply(logits, targets, temperature)

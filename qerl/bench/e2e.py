@@ -67,8 +67,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--fused-lora", choices=["on", "off"], default="on",
                    help="LoRA layers train as one autograd node each (qerl.fused_lora), or through peft's own ops")
     p.add_argument("--fused-elementwise", choices=["on", "off"], default="on",
-                   help="RMSNorm and SiLU(gate) * up of the update as compiled kernels (qerl.fused_elementwise, "
-                        "train.fused_elementwise), or transformers' eager ops")
+                   help="RMSNorm, SiLU(gate) * up and the log-prob head of the update as compiled kernels "
+                        "(qerl.fused_elementwise, train.fused_elementwise), or eager ops")
     p.add_argument("--profile-update", action="store_true",
                    help="(c) then one more step, its whole update under torch.profiler (kernels, GPU idle time)")
     p.add_argument("--out-name", default="e2e.json")
