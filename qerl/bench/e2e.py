@@ -9,6 +9,11 @@ Random weights of the real Qwen2.5 shapes (qerl.bench.random_models; FP4 models 
 Every model runs in its own subprocess (own allocator peak, a crash or timeout loses only that part). The copy
 bandwidth and bf16 matmul rate are measured first and give each figure's floor. Writes e2e.json atomically
 under --out-dir and prints a Markdown table.
+
+--gpu-lock PATH (qerl.bench.gpu_lock; `python -m qerl.bench.suite` passes one): the speed workers run at the same
+time, their set-up (weights, compilation, graph capture, warm-up update) side by side and each timed part alone on
+the GPU; the memory workers follow, --memory-jobs at a time. --budget-s: every worker is stopped by then, and the
+report holds what each had measured.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from pathlib import Path
 import torch
 
 from qerl.bench.e2e_workers import memory_worker, speed_worker
+from qerl.bench.gpu_lock import GpuLock
 from qerl.bench.e2e_report import add_floors, markdown
 from qerl.bench.kernels import write_json
 from qerl.errors import QerlError
@@ -41,19 +47,23 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--speed-size", default="7B")
     p.add_argument("--speed-modes", default="fp4,bf16")
     p.add_argument("--memory", default="7B:fp4,14B:fp4,32B:fp4,7B:bf16",
-                   help="size:mode[:micro_batch[:offload]] list for (d)")
+                   help="size:mode[:micro_batch[:offload[:mlp_chunks]]] list for (d) (offload: the word 'offload' "
+                        "or empty; mlp_chunks: default --mlp-chunks)")
     p.add_argument("--batches", type=_ints, default=[8, 64], help="rollout rows for (b)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per GRPO step")
     p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per row in (b)")
-    p.add_argument("--step-completion", type=int, default=1024, help="completion tokens of the (c) step")
+    p.add_argument("--step-completion", type=int, default=2048, help="completion tokens of the (c) step")
     p.add_argument("--memory-completion", type=int, default=2048, help="completion tokens in (d)")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--lora-r", type=int, default=32)
     p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate baseline (0: skip)")
     p.add_argument("--memory-jobs", type=int, default=1, help="memory workers run at once (peaks are per process)")
     p.add_argument("--timeout-s", type=float, default=300, help="per worker subprocess")
+    p.add_argument("--budget-s", type=float, default=None, help="the whole run: workers still running by then stop")
+    p.add_argument("--gpu-lock", default=None,
+                   help="lock file shared with other benchmark processes: set-up beside them, timed parts alone")
     p.add_argument("--cuda-graph", choices=["auto", "off"], default="auto", help="TorchEngine decode graphs")
     p.add_argument("--compile", choices=["auto", "off"], default="auto", help="torch.compile of the decode forward")
     p.add_argument("--fuse-projections", choices=["auto", "off", "all"], default="auto",
@@ -100,9 +110,10 @@ def _run_in_process(args, kind: str, spec: str, on_part=None) -> dict:
     start = time.perf_counter()
     if kind == "speed":
         result = speed_worker(args, mode, size, on_part)
-    else:  # size:mode[:micro_batch[:offload]]
-        result = memory_worker(args, mode, size, micro_batch=int(extra[0]) if extra else None,
-                               offload=len(extra) > 1 and extra[1] == "offload")
+    else:  # size:mode[:micro_batch[:offload[:mlp_chunks]]]
+        result = memory_worker(args, mode, size, micro_batch=int(extra[0]) if extra and extra[0] else None,
+                               offload=len(extra) > 1 and extra[1] == "offload",
+                               mlp_chunks=int(extra[2]) if len(extra) > 2 else None)
     result["wall_seconds"] = round(time.perf_counter() - start, 1)
     return result
 
@@ -114,10 +125,10 @@ def _start(args, kind: str, spec: str, parts: Path):
     return kind, spec, out, time.perf_counter(), subprocess.Popen(_worker_argv(args, kind, spec, out))
 
 
-def _finish(job, timeout: float) -> dict:
+def _finish(job, timeout: float, deadline: float) -> dict:
     kind, spec, out, start, proc = job
     try:
-        proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
+        proc.wait(timeout=max(1.0, min(timeout - (time.perf_counter() - start), deadline - time.perf_counter())))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -130,27 +141,33 @@ def _finish(job, timeout: float) -> dict:
                                                              f"(timeout {timeout} s), no result"}}
 
 
-def _run_workers(args, kind: str, specs: list[str], jobs: int, parts: Path) -> list[dict]:
+def _run_workers(args, kind: str, specs: list[str], jobs: int, parts: Path, deadline: float) -> list[dict]:
     """Run workers `jobs` at a time (subprocesses), or all in this process with --in-process."""
     if args.in_process:
         return [_run_in_process(args, kind, spec) for spec in specs]
     results, pending, running = [], list(specs), []
     while pending or running:
-        while pending and len(running) < jobs:
+        while pending and len(running) < jobs and time.perf_counter() < deadline:
             running.append(_start(args, kind, pending.pop(0), parts))
-        results.append(_finish(running.pop(0), args.timeout_s))
+        if not running:  # out of time: the rest never started
+            results += [{"mode": s.split(":")[1], "size": s.split(":")[0],
+                         "errors": {"worker": "not started: --budget-s spent"}} for s in pending]
+            break
+        results.append(_finish(running.pop(0), args.timeout_s, deadline))
     return results
 
 
-def _environment(device: str) -> dict:
+def _environment(device: str, lock: GpuLock) -> dict:
     env = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
            "python": platform.python_version()}
     if device == "cuda":
         from qerl.bench.kernels import measure_ceilings
 
         props = torch.cuda.get_device_properties(0)
+        with lock.exclusive():
+            ceilings = measure_ceilings()
         env.update(device=torch.cuda.get_device_name(), gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                   ceilings=measure_ceilings())
+                   ceilings=ceilings)
         torch.cuda.empty_cache()
     else:
         env.update(device=f"cpu x{torch.get_num_threads()} threads", ceilings=None)
@@ -175,11 +192,19 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir)
     parts = Path(args.parts_dir) if args.parts_dir else out_dir / "e2e_parts"
     parts.mkdir(parents=True, exist_ok=True)
-    payload = {**_environment(device), "config": {k: v for k, v in vars(args).items() if not k.startswith("worker")}}
-    payload["memory"] = _run_workers(args, "memory", [s for s in args.memory.split(",") if s], args.memory_jobs,
-                                     parts)
+    t0 = time.perf_counter()
+    deadline = t0 + (args.budget_s if args.budget_s else float("inf"))
+    payload = {**_environment(device, GpuLock(args.gpu_lock)),
+               "config": {k: v for k, v in vars(args).items() if not k.startswith("worker")}}
+    memory_specs = [s for s in args.memory.split(",") if s]
     speed_specs = [f"{args.speed_size}:{m}" for m in args.speed_modes.split(",") if m]
-    payload["speed"] = _run_workers(args, "speed", speed_specs, 1, parts)
+    if args.gpu_lock:  # speed workers together (their timed parts take turns), then the memory workers
+        payload["speed"] = _run_workers(args, "speed", speed_specs, len(speed_specs), parts, deadline)
+        payload["memory"] = _run_workers(args, "memory", memory_specs, args.memory_jobs, parts, deadline)
+    else:  # one worker at a time
+        payload["memory"] = _run_workers(args, "memory", memory_specs, args.memory_jobs, parts, deadline)
+        payload["speed"] = _run_workers(args, "speed", speed_specs, 1, parts, deadline)
+    payload["wall_seconds"] = round(time.perf_counter() - t0, 1)
     add_floors(payload)
     write_json(out_dir / args.out_name, payload)
     print(markdown(payload))

@@ -7,7 +7,8 @@ memory_worker: (d) peak allocated memory of GRPO updates (forward + backward wit
   AdamW step) on one micro-batch, the model's own memory included: the larger peak of two updates (the
   second holds AdamW's moments from the start, as every update of a run does).
 Both return plain dicts (JSON-ready); timings are host clocks around synchronized GPU work (whole rollouts and
-steps, seconds long, so event timing adds nothing).
+steps, seconds long, so event timing adds nothing). With --gpu-lock (qerl.bench.gpu_lock) the set-up work (model,
+compilation, graph capture, warm-up update) runs beside other workers and every timed part runs alone on the GPU.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from qerl.bench.gpu_lock import GpuLock
 from qerl.bench.random_models import attach_lora, build_random_model, decode_weight_bytes, qwen25_config
 
 
@@ -92,12 +94,24 @@ def _batch_of(prompts, batch: int) -> tuple[list[list[int]], int]:
     return prompts[:max(1, batch // n)], n
 
 
-def _rollout_rows(engine, prompts, batch: int, new_tokens: int, seed: int) -> dict:
-    """One batch size: a warm-up run (compiles and captures the decode graph), then the timed run."""
+def _rollout_rows(engine, prompts, batch: int, new_tokens: int, seed: int, lock: GpuLock) -> dict:
+    """One batch size: the engine's warm-up (compiles and captures the decode step: the prefill and a few steps
+    of the same call) beside other workers, then the timed run alone on the GPU."""
+    from qerl.rollout import SamplingParams
+
     chosen, n = _batch_of(prompts, batch)
-    warm = _timed_generate(engine, chosen, n, new_tokens, seed)
-    row = _timed_generate(engine, chosen, n, new_tokens, seed + 1)
-    return {"batch": row["rows"], "new_tokens": new_tokens, "first_seconds": round(warm["seconds"], 3), **row}
+    with lock.shared():
+        _sync()
+        start = time.perf_counter()
+        warm = engine.warm_up(chosen, n=n, sampling=SamplingParams(temperature=1.0, max_tokens=new_tokens,
+                                                                    seed=seed))
+        _sync()
+        warm_seconds = time.perf_counter() - start
+    captures = engine.stats["graph_captures"]
+    with lock.exclusive():
+        row = _timed_generate(engine, chosen, n, new_tokens, seed + 1)
+    return {"batch": row["rows"], "new_tokens": new_tokens, "first_seconds": round(warm_seconds, 3),
+            "warm_up": warm, "captures_while_timed": engine.stats["graph_captures"] - captures, **row}
 
 
 def _profile_rollout(engine, prompts, batch: int, new_tokens: int, seed: int) -> dict:
@@ -147,38 +161,55 @@ def _since(before: dict) -> dict:
     return {k: v - before[k] for k, v in _allocator_counts().items()}
 
 
-def _grpo_step(trainer, profile_update: bool = False) -> dict:
-    """Warm the update kernels on one micro-batch, then time a full step (rollout + update) of fresh data.
-    profile_update: then one more step, its update (every micro-batch, right after the rollout as in training)
-    under torch.profiler: kernels per update, and the GPU's idle time (wall minus kernel time)."""
+def random_batch(rows: int, prompt_len: int, completion_len: int, device, seed: int):
+    """A trainer Batch of random token ids (every completion token counted, random advantages)."""
     from qerl.trainer import Batch
 
-    batch = trainer.rollout(0)
-    mb = trainer.cfg.micro_batch_size
-    warm = Batch(batch.input_ids[:mb], batch.attention_mask[:mb], batch.completion_mask[:mb],
-                 batch.rollout_logprobs[:mb], batch.advantages[:mb])
-    trainer.update(warm, 0)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    _sync()
-    counts = _allocator_counts()
-    start = time.perf_counter()
-    batch = trainer.rollout(1)
-    metrics = trainer.update(batch, 1)
-    _sync()
-    step = time.perf_counter() - start
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 30000, (rows, prompt_len + completion_len), generator=gen)
+    return Batch(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
+                 completion_mask=torch.ones(rows, completion_len, device=device),
+                 rollout_logprobs=torch.zeros(rows, completion_len, device=device),
+                 advantages=torch.randn(rows, generator=gen).to(device))
+
+
+def _grpo_step(trainer, prompts, lock: GpuLock, profile_update: bool = False) -> dict:
+    """Beside other workers: the rollout's warm-up (the engine compiles and captures the step's decode call) and
+    one update of a random micro-batch of the step's shape (compiles the training kernels, creates AdamW's
+    moments). Then alone on the GPU: a full step (rollout + update) of fresh data.
+    profile_update: then one more step, its update (every micro-batch, right after the rollout as in training)
+    under torch.profiler: kernels per update, and the GPU's idle time (wall minus kernel time)."""
+    cfg, device = trainer.cfg, next(trainer.model.parameters()).device
+    with lock.shared():
+        warm = trainer.engine.warm_up(prompts, n=cfg.num_generations, sampling=trainer.sampling(1))
+        trainer.update(random_batch(cfg.micro_batch_size, len(prompts[0]), cfg.max_completion_length, device,
+                                    cfg.seed), 0)
+        _sync()
+    captures = trainer.engine.stats["graph_captures"]
+    with lock.exclusive():
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        counts = _allocator_counts()
+        start = time.perf_counter()
+        batch = trainer.rollout(1)
+        metrics = trainer.update(batch, 1)
+        _sync()
+        step = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    mb = cfg.micro_batch_size
     result = {"rows": batch.input_ids.shape[0], "prompt_len": batch.input_ids.shape[1] - batch.completion_len,
               "completion_len": batch.completion_len, "micro_batch_size": mb,
               "rollout_seconds": batch.metrics["timing/rollout"], "rollout_tokens": batch.metrics["rollout_tokens"],
               "update_seconds": metrics["timing/update"], "step_seconds": step, "peak_bytes": peak,
-              "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "allocator": _since(counts)}
+              "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "allocator": _since(counts),
+              "warm_up": warm, "captures_while_timed": trainer.engine.stats["graph_captures"] - captures}
     if profile_update:
-        batch = trainer.rollout(2)
-        counts = _allocator_counts()
-        with _kernel_profile() as prof:
-            seconds = trainer.update(batch, 2)["timing/update"]
-            _sync()
+        with lock.exclusive():
+            batch = trainer.rollout(2)
+            counts = _allocator_counts()
+            with _kernel_profile() as prof:
+                seconds = trainer.update(batch, 2)["timing/update"]
+                _sync()
         table = _kernel_table(prof, 1, "update", top=60)
         result["update_profile"] = {
             "rows": batch.input_ids.shape[0], "tokens": int(batch.attention_mask.sum()), "seconds_profiled": seconds,
@@ -211,14 +242,15 @@ def speed_worker(args, mode: str, size: str, on_part=None) -> dict:
     """(b) rollout rows, (c) one GRPO step and the HF baseline for one model; each part fails on its own and
     on_part(result) is called after each, so a worker killed at its time limit still leaves what it measured."""
     on_part = on_part or (lambda result: None)
-    fp4 = mode == "fp4"
-    model, tokenizer, device = _build(args, fp4, size)
-    prompts = random_prompts(tokenizer, args.prompts, args.prompt_len, args.seed)
-    trainer = make_trainer(model, tokenizer, prompts, fp4=fp4, num_generations=args.group,
-                           completion_len=max(1, args.step_completion), micro_batch_size=args.micro_batch,
-                           lora_r=args.lora_r, seed=args.seed, logprob_chunk=args.logprob_chunk,
-                           mlp_chunks=args.mlp_chunks,
-                           fused_elementwise=args.fused_elementwise == "on")
+    fp4, lock = mode == "fp4", GpuLock(getattr(args, "gpu_lock", None))
+    with lock.shared():
+        model, tokenizer, device = _build(args, fp4, size)
+        prompts = random_prompts(tokenizer, args.prompts, args.prompt_len, args.seed)
+        trainer = make_trainer(model, tokenizer, prompts, fp4=fp4, num_generations=args.group,
+                               completion_len=max(1, args.step_completion), micro_batch_size=args.micro_batch,
+                               lora_r=args.lora_r, seed=args.seed, logprob_chunk=args.logprob_chunk,
+                               mlp_chunks=args.mlp_chunks,
+                               fused_elementwise=args.fused_elementwise == "on")
     if args.cuda_graph == "off":  # eager decode steps (the engine's own fallback path), static cache kept
         trainer.engine.use_cuda_graph = False
     if args.compile == "off":
@@ -233,42 +265,49 @@ def speed_worker(args, mode: str, size: str, on_part=None) -> dict:
               "rollout": [], "errors": {}}
     for batch in args.batches:
         _guard(result, f"rollout_b{batch}", lambda b=batch: result["rollout"].append(
-            _rollout_rows(trainer.engine, prompts, b, args.new_tokens, args.seed)))
+            _rollout_rows(trainer.engine, prompts, b, args.new_tokens, args.seed, lock)))
         on_part(result)
     if args.profile_tokens:
-        _guard(result, "profile", lambda: result.__setitem__("profile", _profile_rollout(
-            trainer.engine, prompts, args.batches[0], args.profile_tokens, args.seed + 2)))
+        def profile():
+            with lock.exclusive():
+                result["profile"] = _profile_rollout(trainer.engine, prompts, args.batches[0], args.profile_tokens,
+                                                     args.seed + 2)
+        _guard(result, "profile", profile)
         on_part(result)
     if args.step_completion:
         _guard(result, "grpo_step", lambda: result.__setitem__(
-            "grpo_step", _grpo_step(trainer, args.profile_update)))
+            "grpo_step", _grpo_step(trainer, prompts, lock, args.profile_update)))
         on_part(result)
     trainer.engine.close()
     if args.hf_tokens:
-        _guard(result, "hf_generate", lambda: result.__setitem__(
-            "hf_generate", _hf_generate(model, prompts[:args.batches[0]], args.hf_tokens, tokenizer.pad_token_id)))
+        def hf_generate():
+            with lock.exclusive():
+                result["hf_generate"] = _hf_generate(model, prompts[:args.batches[0]], args.hf_tokens,
+                                                     tokenizer.pad_token_id)
+        _guard(result, "hf_generate", hf_generate)
+    result["gpu_lock_wait_s"] = round(lock.waited_s, 1)
     return result
 
 
-def memory_worker(args, mode: str, size: str, micro_batch: int | None = None, offload: bool = False) -> dict:
+def memory_worker(args, mode: str, size: str, micro_batch: int | None = None, offload: bool = False,
+                  mlp_chunks: int | None = None) -> dict:
     """(d) peak allocated bytes of one GRPO update on one micro-batch of prompt + completion tokens
-    (micro_batch rows, default --micro-batch; offload: saved activations in pinned CPU memory)."""
-    from qerl.trainer import Batch
+    (micro_batch rows, default --micro-batch; offload: saved activations in pinned CPU memory). Beside other
+    workers under --gpu-lock: a peak of allocated memory is per process, whatever else runs."""
+    with GpuLock(getattr(args, "gpu_lock", None)).shared():
+        return _memory_peaks(args, mode, size, micro_batch, offload, mlp_chunks or args.mlp_chunks)
 
+
+def _memory_peaks(args, mode: str, size: str, micro_batch: int | None, offload: bool, mlp_chunks: int) -> dict:
     fp4 = mode == "fp4"
     model, tokenizer, device = _build(args, fp4, size)
     rows, plen, clen = micro_batch or args.micro_batch, args.prompt_len, args.memory_completion
-    gen = torch.Generator().manual_seed(args.seed)
     prompts = random_prompts(tokenizer, rows, plen, args.seed)
     trainer = make_trainer(model, tokenizer, prompts[:1], fp4=fp4, num_generations=max(2, rows), completion_len=clen,
                            micro_batch_size=rows, lora_r=args.lora_r, seed=args.seed, offload=offload,
-                           logprob_chunk=args.logprob_chunk, mlp_chunks=args.mlp_chunks,
+                           logprob_chunk=args.logprob_chunk, mlp_chunks=mlp_chunks,
                            fused_elementwise=args.fused_elementwise == "on")
-    ids = torch.randint(0, 30000, (rows, plen + clen), generator=gen)
-    batch = Batch(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
-                  completion_mask=torch.ones(rows, clen, device=device),
-                  rollout_logprobs=torch.zeros(rows, clen, device=device),
-                  advantages=torch.randn(rows, generator=gen).to(device))
+    batch = random_batch(rows, plen, clen, device, args.seed)
     on_cuda = device == "cuda"
     if on_cuda:
         torch.cuda.synchronize()

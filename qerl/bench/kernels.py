@@ -150,11 +150,14 @@ def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bo
 
 
 def layer_totals(rows: list[dict], models: list[str]) -> list[dict]:
-    """Sum over the 7 Linear layers of one decoder layer (q, k, v, o, gate, up, down) per model and M."""
+    """Sum over the 7 Linear layers of one decoder layer (q, k, v, o, gate, up, down) per model and M; only where
+    every shape of that layer was timed (a run stopped early leaves some out)."""
     out = []
     for model in models:
         for m in sorted({r["M"] for r in rows if r["model"] == model}):
             sel = [r for r in rows if r["model"] == model and r["M"] == m]
+            if {r["layer"] for r in sel} != {shape[0] for shape in QWEN_LINEARS[model]}:
+                continue
             tot = {key: sum(r[key] * r["per_layer"] for r in sel)
                    for key in ("bf16_us", "fp4_us", "bwd_bf16_us", "bwd_fp4_us", "fp4_floor_us")}
             if all("naive_us" in r for r in sel):
@@ -230,7 +233,8 @@ def _environment() -> dict:
         "sm_count": torch.cuda.get_device_properties(0).multi_processor_count}
 
 
-def run(models: list[str], rows_m: list[int], naive: bool) -> dict:
+def run(models: list[str], rows_m: list[int], naive: bool, on_row=None) -> dict:
+    """Every shape of `models` at every M; on_row(result so far) after each (a run stopped early keeps those)."""
     result = {**_environment(), "ceilings": measure_ceilings(), "rows": []}
     for model in models:
         for seed, (layer, n, k, per_layer) in enumerate(QWEN_LINEARS[model]):
@@ -239,6 +243,8 @@ def run(models: list[str], rows_m: list[int], naive: bool) -> dict:
                 result["rows"].append({"model": model, "layer": layer, "per_layer": per_layer, **r})
                 print(f"{model} {layer} M={m}: bf16 {r['bf16_us']:.1f} fp4 {r['fp4_us']:.1f} us "
                       f"(x{r['speedup']:.2f}); bwd x{r['bwd_speedup']:.2f}", flush=True)
+                if on_row:
+                    on_row({**result, "partial": True, "layer_totals": layer_totals(result["rows"], models)})
     result["layer_totals"] = layer_totals(result["rows"], models)
     return result
 
@@ -359,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.sweep:
         result = {**_environment(), "sweep": sweep(rows_m, tuple(a.kinds.split(",")))}
     else:
-        result = run(a.models.split(","), rows_m, naive=not a.no_naive)
+        result = run(a.models.split(","), rows_m, naive=not a.no_naive, on_row=lambda part: write_json(a.out, part))
         print(markdown(result))
         result["markdown"] = markdown(result)
     write_json(a.out, result)

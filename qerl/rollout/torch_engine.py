@@ -73,6 +73,7 @@ class TorchEngine(RolloutEngine):
                       "graph_replays": 0}
         self._forward = None  # the (compiled) decode forward, built on first use
         self._decoder = None  # the _StaticDecoder of the last call, reused while its key matches
+        self._stop_after = None  # decode steps a warm_up call runs (None: to max_tokens)
         if lora_dtype not in (None, "auto") and not isinstance(lora_dtype, torch.dtype):
             raise QerlError(f"TorchEngine.lora_dtype: expected None, 'auto' or a torch.dtype, got {lora_dtype!r}")
         self.lora_dtype = (_compute_dtype(model) if on_cuda else None) if lora_dtype == "auto" else lora_dtype
@@ -100,6 +101,19 @@ class TorchEngine(RolloutEngine):
             prompt_ids=[p for p in prompts for _ in range(n)],
             completion_ids=[r[0] for r in rows], logprobs=[r[1] for r in rows],
             finish_reasons=[r[2] for r in rows], stats=dict(self.stats))
+
+    def warm_up(self, prompt_ids, n: int = 1, sampling: SamplingParams | None = None) -> dict:
+        """Get a call like generate(prompt_ids, n, sampling) ready without running it to the end: the prefill and
+        the first decode steps only (compilation, the eager warm-up steps, the CUDA-graph capture and one replay).
+        A later generate with the same rows, cache-length bucket, max_tokens and sampling knobs then replays the
+        captured step from its first decode step. Returns what it did, as the change of `stats`."""
+        before = dict(self.stats)
+        self._stop_after = _WARMUP_STEPS + 2  # eager warm-up steps, the capture, one replay
+        try:
+            self.generate(prompt_ids, n=n, sampling=sampling)
+        finally:
+            self._stop_after = None
+        return {k: v - before.get(k, 0) for k, v in self.stats.items() if isinstance(v, (int, float))}
 
     def fuse_projections(self, kinds=("fp4", "dense")) -> int:
         """Group the projections of these layer kinds (after ungrouping any); returns the number of groups."""
@@ -186,7 +200,7 @@ class TorchEngine(RolloutEngine):
             done = stop_check(tok, tokens, rows, step)
             lengths[rows] = torch.where(done, step + 1, lengths[rows])
             stopped[rows] = done
-            if step == max_new - 1:
+            if step == max_new - 1 or (self._stop_after is not None and step >= self._stop_after):
                 break
             if bool(done.any()):
                 keep = (~done).nonzero().squeeze(1)
@@ -214,6 +228,8 @@ class TorchEngine(RolloutEngine):
         dec.start(dynamic, n, logits, mask, pos, uniforms, max_new)
         every = 1 if sampling.stop else _SYNC_EVERY
         for step in range(1, max_new):  # step = index of the token sampled by this iteration
+            if self._stop_after is not None and step > self._stop_after:
+                break
             if sampling.stop:
                 dec.apply_stops(stop_check, step - 1)
             if step % every == 0 and bool(dec.done.all()):

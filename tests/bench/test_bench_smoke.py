@@ -26,7 +26,7 @@ TINY = ["--speed-size", "tiny", "--memory", "tiny:fp4,tiny:bf16,tiny:fp4:1:offlo
 @pytest.fixture(scope="module")
 def run(tokenizer_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    e2e.main(["--out-dir", str(out), "--tokenizer", str(tokenizer_dir), *TINY])
+    e2e.main(["--out-dir", str(out), "--tokenizer", str(tokenizer_dir), *TINY, "--gpu-lock", str(out / "gpu.lock")])
     return json.loads((out / "e2e.json").read_text()), out
 
 
@@ -38,11 +38,14 @@ def test_rollout_and_step_rows(run):
         assert [r["batch"] for r in res["rollout"]] == [2, 4]
         for row in res["rollout"]:  # random weights never sample EOS in 3 tokens here: full length
             assert row["tokens"] == row["batch"] * 3
+            assert row["warm_up"]["prefill_calls"] == 1 and row["captures_while_timed"] == 0
             assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
         step = res["grpo_step"]
         assert (step["rows"], step["prompt_len"], step["completion_len"]) == (4, 8, 3)
         assert step["rollout_tokens"] == 12 and torch.isfinite(torch.tensor(step["loss"]))
         assert step["step_seconds"] >= step["rollout_seconds"]
+        assert step["warm_up"]["prefill_calls"] == 1 and step["captures_while_timed"] == 0
+        assert res["gpu_lock_wait_s"] >= 0  # the parts took the lock (shared set-up, exclusive timing)
         assert res["hf_generate"]["tokens"] == 2 * 2
         prof = res["profile"]  # CPU: no CUDA kernels, but the step accounting and the PDL mode are there
         assert (prof["batch"], prof["new_tokens"]) == (2, 3) and prof["pdl_mode"] == cuda_fp4.pdl_mode()

@@ -298,6 +298,39 @@ def test_vllm_missing_names_the_extra(model_and_tok):
         make_engine("vllm", model, tok)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_warm_up_runs_a_few_decode_steps_and_changes_no_result(model_and_tok, prompts, cache):
+    from qerl.rollout.torch_engine import _WARMUP_STEPS
+
+    model, tok = model_and_tok
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
+    cold = TorchEngine(model, tok, cache=cache, eos_token_ids=()).generate(prompts, 2, params)
+    engine = TorchEngine(model, tok, cache=cache, eos_token_ids=())
+    done = engine.warm_up(prompts, 2, SamplingParams(temperature=1.0, max_tokens=12, seed=99))
+    assert done["prefill_calls"] == 1 and done["decode_calls"] == _WARMUP_STEPS + 2 < 12 - 1
+    warm = engine.generate(prompts, 2, params)
+    assert warm.completion_ids == cold.completion_ids and warm.logprobs == cold.logprobs
+    assert all(len(c) == 12 for c in warm.completion_ids)  # the step limit is gone after warm_up
+    short = engine.warm_up(prompts, 1, SamplingParams(temperature=0, max_tokens=3))
+    assert short["decode_calls"] == 2  # never more steps than the call itself would run
+
+
+@pytest.mark.gpu
+def test_warm_up_captures_the_graph_the_next_call_replays(tmp_path, tokenizer_dir, prompts):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qerl.resources import build_tiny_model
+
+    build_tiny_model(tmp_path, tokenizer_dir, seed=0)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).cuda().eval()
+    engine = TorchEngine(model, tok, eos_token_ids=())
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=0)
+    assert engine.warm_up(prompts, 2, params)["graph_captures"] == 1
+    out = engine.generate(prompts[::-1], 2, params)  # other prompt widths, same rows and cache bucket
+    assert out.stats["graph_captures"] == 1 and out.stats["graph_replays"] >= 2 + 39
+
+
 @pytest.mark.gpu
 def test_cuda_graph_decode_matches_generate(tmp_path, tokenizer_dir, prompts):
     """Static cache + CUDA graph on the GPU: greedy parity, graph reuse across prompt widths, log-probs."""
