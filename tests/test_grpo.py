@@ -273,7 +273,10 @@ def _compare_with_full_logits(model, ids, attn, c_mask, temperature=0.7, chunk_s
     torch.testing.assert_close(ent, ent_ref.detach(), rtol=1e-5, atol=1e-5)
     assert g.keys() == g_ref.keys() and len(g) > 0
     for name in g:
-        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+        # float32 sums in another order (chunks vs one pass): entries near zero get an absolute error on the
+        # scale of the tensor's largest ones (AVX2-only CPUs: 1e-5 at |g| ~ 6 in the embedding gradient)
+        atol = max(1e-6, 1e-5 * g_ref[name].abs().max().item())
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=atol, msg=name)
     model.zero_grad()
 
 

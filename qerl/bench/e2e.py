@@ -12,7 +12,8 @@ under --out-dir and prints a Markdown table.
 
 --gpu-lock PATH (qerl.bench.gpu_lock; `python -m qerl.bench.suite` passes one): the speed workers run at the same
 time, their set-up (weights, compilation, graph capture, warm-up update) side by side and each timed part alone on
-the GPU; the memory workers follow, --memory-jobs at a time. --budget-s: every worker is stopped by then, and the
+the GPU; the memory workers run beside them, --memory-jobs at a time, in the order given (largest first keeps the
+GPU's memory for the speed workers' later, larger parts). --budget-s: every worker is stopped by then, and the
 report holds what each had measured.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import platform
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -198,9 +200,12 @@ def main(argv=None) -> int:
                "config": {k: v for k, v in vars(args).items() if not k.startswith("worker")}}
     memory_specs = [s for s in args.memory.split(",") if s]
     speed_specs = [f"{args.speed_size}:{m}" for m in args.speed_modes.split(",") if m]
-    if args.gpu_lock:  # speed workers together (their timed parts take turns), then the memory workers
+    if args.gpu_lock:  # every speed worker at once (timed parts take turns), memory workers beside them
+        memory = threading.Thread(target=lambda: payload.__setitem__("memory", _run_workers(
+            args, "memory", memory_specs, args.memory_jobs, parts, deadline)))
+        memory.start()
         payload["speed"] = _run_workers(args, "speed", speed_specs, len(speed_specs), parts, deadline)
-        payload["memory"] = _run_workers(args, "memory", memory_specs, args.memory_jobs, parts, deadline)
+        memory.join()
     else:  # one worker at a time
         payload["memory"] = _run_workers(args, "memory", memory_specs, args.memory_jobs, parts, deadline)
         payload["speed"] = _run_workers(args, "speed", speed_specs, 1, parts, deadline)

@@ -267,6 +267,7 @@ def speed_worker(args, mode: str, size: str, on_part=None) -> dict:
         _guard(result, f"rollout_b{batch}", lambda b=batch: result["rollout"].append(
             _rollout_rows(trainer.engine, prompts, b, args.new_tokens, args.seed, lock)))
         on_part(result)
+        _give_back_cached_memory()  # the last decoder's cache and graph pool: other workers may need the room
     if args.profile_tokens:
         def profile():
             with lock.exclusive():
@@ -330,11 +331,16 @@ def _memory_peaks(args, mode: str, size: str, micro_batch: int | None, offload: 
             "first_update_seconds": updates[0]["seconds"], "loss": updates[0]["loss"]}
 
 
+def _give_back_cached_memory() -> None:
+    """Return the allocator's unused cached blocks to the device (other benchmark processes share the GPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _guard(result: dict, name: str, fn) -> None:
     """Run one part; an exception is recorded (type and message) so the other parts still report."""
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - a bench reports what failed and goes on
         result["errors"][name] = f"{type(exc).__name__}: {exc}"[:500]
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _give_back_cached_memory()

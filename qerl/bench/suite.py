@@ -5,8 +5,9 @@ step, (d) peak memory, then the targets, met or missed.
 
 Three processes share the GPU through one `qerl.bench.gpu_lock.GpuLock`: this one holds it exclusively while the
 kernel table (`qerl.bench.kernels`) and then the engine's stacked decode layer (`qerl.bench.cuda_gemv --wired`)
-run in subprocesses, and `qerl.bench.e2e` (its own workers: FP4 and bf16 side by side, then the memory workers)
-does its set-up while it can and takes the lock for every timed part. So no figure is taken while other work runs,
+run in subprocesses, and `qerl.bench.e2e` (its own workers: FP4 and bf16 side by side, the memory workers beside
+them one at a time) does its set-up while it can and takes the lock for every timed part. transformers' generate
+baseline is left out (--hf-tokens 0; `qerl.bench.e2e` runs it by default). So no figure is taken while other work runs,
 and the compilation and warm-up of one model overlap those of the other. Each part writes its own JSON as it goes
 (a part stopped at the budget keeps what it measured); this process writes suite.json (all of it plus the targets)
 and prints every table.
@@ -25,10 +26,11 @@ from qerl.bench.kernels import write_json
 from qerl.errors import QerlError
 
 GIB = 2**30
-# Memory workers of (d): size:mode[:micro_batch[:offload[:mlp_chunks]]]. 14B / 32B at the default micro-batch;
-# the 45% comparison at micro-batch 1 with activations offloaded and the MLP in 4 slices, where the frozen
-# weights are most of the peak.
-MEMORY_SPECS = "7B:fp4,14B:fp4,32B:fp4,7B:bf16,7B:fp4:1:offload:4,7B:bf16:1:offload:4"
+# Memory workers of (d): size:mode[:micro_batch[:offload[:mlp_chunks]]], one at a time beside the speed workers,
+# largest first (the speed workers need most memory last). The default micro-batch for all three sizes; the 45%
+# comparison also at micro-batch 1 with activations offloaded and the MLP in 4 slices, where the frozen weights
+# are most of the peak.
+MEMORY_SPECS = "32B:fp4,14B:fp4,7B:bf16,7B:fp4,7B:bf16:1:offload:4,7B:fp4:1:offload:4"
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -40,7 +42,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--kernel-rows", default="1,16,64,256,2048")
     p.add_argument("--wired-rows", default="1,8", help="rows of the engine's stacked decode layer ('' to skip)")
     p.add_argument("--memory", default=MEMORY_SPECS, help="(d) memory workers, see qerl.bench.e2e --memory")
-    p.add_argument("--memory-jobs", type=int, default=2)
+    p.add_argument("--memory-jobs", type=int, default=1)
     p.add_argument("--e2e-args", default="", help="more options for qerl.bench.e2e, as one string")
     return p.parse_args(argv)
 
@@ -83,8 +85,9 @@ def main(argv=None) -> int:
     deadline = t0 + args.budget_s
     e2e_cmd = _python("qerl.bench.e2e", "--out-dir", str(parts), "--parts-dir", str(parts / "e2e_workers"),
                       "--out-name", "e2e.json", "--tokenizer", args.tokenizer, "--gpu-lock", str(lock_path),
-                      "--budget-s", str(max(1.0, args.budget_s - 20)), "--memory", args.memory,
-                      "--memory-jobs", str(args.memory_jobs), *args.e2e_args.split())
+                      "--budget-s", str(max(1.0, args.budget_s - 20)), "--timeout-s", str(args.budget_s),
+                      "--hf-tokens", "0", "--memory", args.memory, "--memory-jobs", str(args.memory_jobs),
+                      *args.e2e_args.split())
     print(f"[suite] start e2e: {' '.join(e2e_cmd)}", flush=True)
     e2e_log = open(parts / "e2e.log", "w")
     e2e = subprocess.Popen(e2e_cmd, stdout=e2e_log, stderr=subprocess.STDOUT)

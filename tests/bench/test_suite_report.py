@@ -84,7 +84,7 @@ def test_suite_runs_every_part_under_one_lock_and_reports_targets(tokenizer_dir,
     from qerl.bench import suite
 
     tiny = ("--speed-size tiny --batches 2 --prompts 2 --group 2 --prompt-len 8 --new-tokens 3 "
-            "--step-completion 3 --memory-completion 5 --micro-batch 2 --lora-r 4 --hf-tokens 0 --timeout-s 240")
+            "--step-completion 3 --memory-completion 5 --micro-batch 2 --lora-r 4")
     suite.main(["--out-dir", str(tmp_path), "--tokenizer", str(tokenizer_dir), "--budget-s", "400",
                 "--wired-rows", "", "--memory", "tiny:fp4,tiny:bf16", "--e2e-args", tiny])
     payload = json.loads((tmp_path / "suite.json").read_text())

@@ -122,6 +122,9 @@ def test_top_k_one_is_greedy(model_and_tok, prompts):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_seeds_reproducible_and_per_sequence(model_and_tok, prompts, cache):
     model, tok = model_and_tok
+    # float64: a float32 batch of 2 rows and one of 3 round some logits differently on some CPUs (AVX2-only),
+    # enough to move a uniform draw across a token boundary
+    model = copy.deepcopy(model).double()
     engine = TorchEngine(model, tok, cache=cache)
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=7)
     a = engine.generate(prompts, 2, params)
