@@ -200,7 +200,9 @@ def main(argv=None) -> int:
                "config": {k: v for k, v in vars(args).items() if not k.startswith("worker")}}
     memory_specs = [s for s in args.memory.split(",") if s]
     speed_specs = [f"{args.speed_size}:{m}" for m in args.speed_modes.split(",") if m]
-    if args.gpu_lock:  # every speed worker at once (timed parts take turns), memory workers beside them
+    if args.gpu_lock and not args.in_process:  # every speed worker at once (timed parts take turns), memory
+        # workers beside them (subprocesses only: two models in one process's threads would share compile state)
+        payload["memory"] = []  # filled by the thread (left empty if it fails)
         memory = threading.Thread(target=lambda: payload.__setitem__("memory", _run_workers(
             args, "memory", memory_specs, args.memory_jobs, parts, deadline)))
         memory.start()

@@ -82,7 +82,7 @@ def _f(value, fmt: str = ".0f") -> str:
 
 def _rollout_table(payload: dict) -> list[str]:
     lines = ["| mode | engine | batch | new tokens | s | tokens/s | x bf16 | floor (weights) tok/s | % of floor "
-             "| floor (weights+KV) tok/s | first run s |", "|---" * 11 + "|"]
+             "| floor (weights+KV) tok/s | warm-up s |", "|---" * 11 + "|"]
     for res in payload.get("speed", []):
         rows = [("torch", r) for r in res.get("rollout", [])]
         rows += [("hf generate", res["hf_generate"])] if "hf_generate" in res else []
@@ -90,7 +90,8 @@ def _rollout_table(payload: dict) -> list[str]:
             lines.append(f"| {res['mode']} | {engine} | {r['batch']} | {r['new_tokens']} | {_f(r['seconds'], '.2f')} "
                          f"| {_f(r['tokens_per_s'])} | {_f(r.get('x_bf16'), '.2f')} "
                          f"| {_f(r.get('floor_weights_tokens_per_s'))} | {_f(r.get('pct_of_weight_floor'))}% "
-                         f"| {_f(r.get('floor_weights_kv_tokens_per_s'))} | {_f(r.get('first_seconds'), '.1f')} |")
+                         f"| {_f(r.get('floor_weights_kv_tokens_per_s'))} "
+                         f"| {_f(r.get('warm_up_seconds', r.get('first_seconds')), '.1f')} |")
     return lines
 
 

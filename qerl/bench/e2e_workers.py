@@ -110,7 +110,7 @@ def _rollout_rows(engine, prompts, batch: int, new_tokens: int, seed: int, lock:
     captures = engine.stats["graph_captures"]
     with lock.exclusive():
         row = _timed_generate(engine, chosen, n, new_tokens, seed + 1)
-    return {"batch": row["rows"], "new_tokens": new_tokens, "first_seconds": round(warm_seconds, 3),
+    return {"batch": row["rows"], "new_tokens": new_tokens, "warm_up_seconds": round(warm_seconds, 3),
             "warm_up": warm, "captures_while_timed": engine.stats["graph_captures"] - captures, **row}
 
 
