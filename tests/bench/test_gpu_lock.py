@@ -1,4 +1,7 @@
-"""qerl.bench.gpu_lock: exclusive holders run alone, shared ones together, and a waiting writer goes first."""
+"""qerl.bench.gpu_lock: exclusive holders run alone, shared ones together, and a waiting writer goes first.
+
+Each process of a scenario waits for events of the others before it asks for the lock, so the order of the
+requests is fixed whatever the machine's load; what is tested is the order in which the lock lets them in."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -8,45 +11,65 @@ import pytest
 
 from qerl.bench.gpu_lock import GpuLock
 
+CTX = mp.get_context("fork")  # the lock module needs no CUDA: fork is safe here
+SETTLE = 0.3  # s for a process that announced its request to be blocked inside flock
 
-def _hold(path, mode: str, name: str, delay: float, hold: float, log):
-    time.sleep(delay)
-    lock = GpuLock(path)
-    with getattr(lock, mode)():
+
+def _proc(path, mode, name, log, events, after=None, announce=None, started=None, hold_until=None, hold=0.1):
+    """Wait for `after`, announce the request, take the lock, log start, hold (until `hold_until` is set, or
+    `hold` s), log end."""
+    if after is not None:
+        events[after].wait(10)
+        time.sleep(SETTLE)
+    if announce is not None:
+        events[announce].set()
+    with getattr(GpuLock(path), mode)():
         log.put((name, "start", time.monotonic()))
-        time.sleep(hold)
+        if started is not None:
+            events[started].set()
+        if hold_until is not None:
+            events[hold_until].wait(5)
+            time.sleep(SETTLE)
+        else:
+            time.sleep(hold)
         log.put((name, "end", time.monotonic()))
 
 
-def _run(path, plan) -> list[tuple[str, str]]:
-    """plan: (mode, name, start delay s, hold s) per process; returns the (name, event) sequence in time order."""
-    ctx = mp.get_context("fork")  # the lock module needs no CUDA: fork is safe here
-    log = ctx.Queue()
-    procs = [ctx.Process(target=_hold, args=(path, *p, log)) for p in plan]
+def _run(path, plans: list[dict], event_names) -> list[tuple[str, str]]:
+    log = CTX.Queue()
+    events = {e: CTX.Event() for e in event_names}
+    procs = [CTX.Process(target=_proc, kwargs={"path": path, "log": log, "events": events, **p}) for p in plans]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    events = sorted((log.get(timeout=5) for _ in range(2 * len(plan))), key=lambda e: e[2])
-    return [(name, what) for name, what, _ in events]
+    got = sorted((log.get(timeout=5) for _ in range(2 * len(plans))), key=lambda e: e[2])
+    return [(name, what) for name, what, _ in got]
 
 
 def test_shared_holders_overlap(tmp_path):
-    seq = _run(tmp_path / "gpu.lock", [("shared", "a", 0.0, 0.8), ("shared", "b", 0.2, 0.8)])
+    # a holds until b has started: b must get in beside it (else a gives up after 5 s and the order shows it)
+    seq = _run(tmp_path / "gpu.lock", [
+        dict(mode="shared", name="a", started="a_in", hold_until="b_in"),
+        dict(mode="shared", name="b", after="a_in", started="b_in", hold=3 * SETTLE)], ["a_in", "b_in"])
     assert seq == [("a", "start"), ("b", "start"), ("a", "end"), ("b", "end")]
 
 
 def test_an_exclusive_holder_runs_alone_and_a_waiting_writer_goes_before_later_readers(tmp_path):
-    # r1 holds; w asks at 0.2 s and must wait for r1; r2 asks at 0.4 s, while w waits: r2 must come after w,
-    # though the lock is only held shared when it asks (a plain readers-writer lock would let it in at once)
-    seq = _run(tmp_path / "gpu.lock", [("shared", "r1", 0.0, 1.0), ("exclusive", "w", 0.2, 0.4),
-                                       ("shared", "r2", 0.4, 0.1)])
+    # r1 holds; w asks and waits; r2 asks while w waits and the lock is only held shared: r2 must come after w
+    # (a plain readers-writer lock would let r2 in beside r1 at once)
+    seq = _run(tmp_path / "gpu.lock", [
+        dict(mode="shared", name="r1", started="r1_in", hold_until="r2_asks"),
+        dict(mode="exclusive", name="w", after="r1_in", announce="w_asks", hold=0.2),
+        dict(mode="shared", name="r2", after="w_asks", announce="r2_asks")], ["r1_in", "w_asks", "r2_asks"])
     assert seq == [("r1", "start"), ("r1", "end"), ("w", "start"), ("w", "end"), ("r2", "start"), ("r2", "end")]
 
 
 def test_two_writers_never_overlap(tmp_path):
-    seq = _run(tmp_path / "gpu.lock", [("exclusive", "a", 0.0, 0.5), ("exclusive", "b", 0.1, 0.2)])
+    seq = _run(tmp_path / "gpu.lock", [
+        dict(mode="exclusive", name="a", started="a_in", hold_until="b_asks"),
+        dict(mode="exclusive", name="b", after="a_in", announce="b_asks")], ["a_in", "b_asks"])
     assert seq == [("a", "start"), ("a", "end"), ("b", "start"), ("b", "end")]
 
 
