@@ -1,7 +1,7 @@
 """Every benchmark of issue 7 in one run, on one GPU, inside a time budget: (a) kernels, (b) rollout, (c) GRPO
 step, (d) peak memory, then the targets, met or missed.
 
-    python -m qerl.bench.suite --tokenizer <qwen2.5 tokenizer dir> --out-dir results/bench   # ~8 min on an H100
+    python -m qerl.bench.suite --tokenizer <qwen2.5 tokenizer dir> --out-dir results/bench   # 8-9 min on an H100
 
 Three processes share the GPU through one `qerl.bench.gpu_lock.GpuLock`: this one holds it exclusively while the
 kernel table (`qerl.bench.kernels`) and then the engine's stacked decode layer (`qerl.bench.cuda_gemv --wired`)
