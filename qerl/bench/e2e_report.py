@@ -91,7 +91,7 @@ def _rollout_table(payload: dict) -> list[str]:
                          f"| {_f(r['tokens_per_s'])} | {_f(r.get('x_bf16'), '.2f')} "
                          f"| {_f(r.get('floor_weights_tokens_per_s'))} | {_f(r.get('pct_of_weight_floor'))}% "
                          f"| {_f(r.get('floor_weights_kv_tokens_per_s'))} "
-                         f"| {_f(r.get('warm_up_seconds', r.get('first_seconds')), '.1f')} |")
+                         f"| {_f(r.get('warm_up_seconds'), '.1f')} |")
     return lines
 
 

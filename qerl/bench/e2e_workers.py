@@ -196,9 +196,8 @@ def _grpo_step(trainer, prompts, lock: GpuLock, profile_update: bool = False) ->
         _sync()
         step = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    mb = cfg.micro_batch_size
     result = {"rows": batch.input_ids.shape[0], "prompt_len": batch.input_ids.shape[1] - batch.completion_len,
-              "completion_len": batch.completion_len, "micro_batch_size": mb,
+              "completion_len": batch.completion_len, "micro_batch_size": cfg.micro_batch_size,
               "rollout_seconds": batch.metrics["timing/rollout"], "rollout_tokens": batch.metrics["rollout_tokens"],
               "update_seconds": metrics["timing/update"], "step_seconds": step, "peak_bytes": peak,
               "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "allocator": _since(counts),

@@ -193,6 +193,7 @@ class TorchEngine(RolloutEngine):
         lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=self.device)
         stopped = torch.zeros(num_rows, dtype=torch.bool, device=self.device)
         rows = torch.arange(num_rows, device=self.device)
+        last = self._last_step(max_new)
         for step in range(max_new):
             u = None if uniforms is None else uniforms[rows, step]
             tok, lp = sample_tokens(logits, sampling, u)
@@ -200,7 +201,7 @@ class TorchEngine(RolloutEngine):
             done = stop_check(tok, tokens, rows, step)
             lengths[rows] = torch.where(done, step + 1, lengths[rows])
             stopped[rows] = done
-            if step == max_new - 1 or (self._stop_after is not None and step >= self._stop_after):
+            if step == last:
                 break
             if bool(done.any()):
                 keep = (~done).nonzero().squeeze(1)
@@ -227,9 +228,8 @@ class TorchEngine(RolloutEngine):
         dec = self._decoder
         dec.start(dynamic, n, logits, mask, pos, uniforms, max_new)
         every = 1 if sampling.stop else _SYNC_EVERY
-        for step in range(1, max_new):  # step = index of the token sampled by this iteration
-            if self._stop_after is not None and step > self._stop_after:
-                break
+        last = self._last_step(max_new)
+        for step in range(1, last + 1):  # step = index of the token sampled by this iteration
             if sampling.stop:
                 dec.apply_stops(stop_check, step - 1)
             if step % every == 0 and bool(dec.done.all()):
@@ -238,8 +238,12 @@ class TorchEngine(RolloutEngine):
             self.stats["decode_calls"] += 1
         else:
             if sampling.stop:
-                dec.apply_stops(stop_check, max_new - 1)
+                dec.apply_stops(stop_check, last)
         return _to_rows(dec.tokens[:, :max_new], dec.logprobs[:, :max_new], dec.lengths, dec.done)
+
+    def _last_step(self, max_new: int) -> int:
+        """Index of the last token a call samples: max_new - 1, or earlier in a warm_up call."""
+        return max_new - 1 if self._stop_after is None else min(max_new - 1, self._stop_after)
 
     def _decode_forward_fn(self):
         if self._forward is None:
