@@ -4,7 +4,7 @@
 #   snakemake --profile workflow/profiles/slurm all_experiments
 from snakemake.utils import min_version, validate
 
-min_version("8.0")
+min_version("9.0")
 
 
 configfile: "config/config.yaml"
@@ -13,7 +13,13 @@ configfile: "config/config.yaml"
 include: "workflow/rules/common.smk"
 
 
-validate(config, "workflow/schemas/config.schema.yaml", set_default=False)
+# the parsed config, so YAML 1.1 quirks (1e-3 read as a string) get the same verdict as `qerl.config check`
+validate(CFG.model_dump(mode="json"), "workflow/schemas/config.schema.yaml", set_default=False)
+
+
+onstart:
+    # the MLflow store is created once, before parallel jobs could race to create and migrate it
+    shell("{PYTHON:q} -m qerl.tracking init --results-dir {RESULTS:q}")
 
 
 include: "workflow/rules/resources.smk"

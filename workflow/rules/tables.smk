@@ -33,5 +33,5 @@ rule tables:
         mem_mb=2000,
         runtime=10,
     shell:
-        "{PYTHON} -m qerl.tables --config-json {params.experiments:q} --results-dir {RESULTS}"
-        " --out-dir results/tables > {log} 2>&1"
+        "{PYTHON:q} -m qerl.tables --config-json {params.experiments:q} --results-dir {RESULTS:q}"
+        " --out-dir results/tables > {log:q} 2>&1"

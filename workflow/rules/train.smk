@@ -19,7 +19,7 @@ rule train:
         runtime=runtime_train,
         gpu=gpus,
     shell:
-        "{params.python} -m qerl.train --experiment {wildcards.experiment} --model {input.model}"
-        " --out {output.adapter} --checkpoint-dir {params.checkpoints} --resume"
-        " --config-json {params.cfg:q} --run-file {output.run} --upstream-run-file {input.upstream}"
-        " --results-dir {RESULTS} > {log} 2>&1"
+        "{params.python:q} -m qerl.train --experiment {wildcards.experiment:q} --model {input.model:q}"
+        " --out {output.adapter:q} --checkpoint-dir {params.checkpoints:q} --resume"
+        " --config-json {params.cfg:q} --run-file {output.run:q} --upstream-run-file {input.upstream:q}"
+        " --results-dir {RESULTS:q} > {log:q} 2>&1"
