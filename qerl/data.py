@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import random
 from pathlib import Path
 from typing import Any, Iterable
@@ -37,30 +38,79 @@ TEMPLATES = ("qerl_think", "boxed", "answer_line")
 
 
 # ------------------------------------------------------------------------------------------ loading
-def _read_local_file(path: Path) -> list[dict]:
-    """Rows of one local file; JSON errors name the file and line."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+# Rows travel as (location, row): the location ("file:line" for JSONL) is what every error names.
+Rows = list[tuple[str, Any]]
 
-        return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise QerlError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        rows = doc.get("data", doc.get("rows")) if isinstance(doc, dict) else doc
-        if not isinstance(rows, list):
-            raise QerlError(f"{path}: expected a JSON list of records (or {{'data': [...]}})")
-        return rows
+
+def _json_kind(value: Any) -> str:
+    """How a JSON value reads in an error: 'a list [1, 2]', 'null', 'a number 3'."""
+    kinds = {type(None): "null", bool: "a boolean", list: "a list", dict: "an object", str: "a string",
+             int: "a number", float: "a number"}
+    kind = kinds.get(type(value), type(value).__name__)
+    return kind if value is None else f"{kind} {json.dumps(value, default=str, ensure_ascii=False)[:40]}"
+
+
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text (a BOM allowed); bad bytes are reported with their line and offset."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise QerlError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise QerlError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                        "save the file as UTF-8") from None
+
+
+def _read_jsonl(path: Path) -> Rows:
     rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise QerlError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+    # split("\n"), not splitlines(): JSON strings may hold U+2028 and other characters splitlines() breaks on.
+    for lineno, line in enumerate(_read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise QerlError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise QerlError(f"{path}:{lineno}: expected a JSON object per line, got {_json_kind(row)}")
+        rows.append((f"{path}:{lineno}", row))
     return rows
+
+
+def _read_json(path: Path) -> Rows:
+    try:
+        doc = json.loads(_read_text(path))
+    except json.JSONDecodeError as exc:
+        raise QerlError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    rows = doc.get("data", doc.get("rows")) if isinstance(doc, dict) else doc
+    if not isinstance(rows, list):
+        raise QerlError(f"{path}: expected a JSON list of records (or {{'data': [...]}}), got "
+                        f"{_json_kind(doc if rows is None else rows)[:60]}")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise QerlError(f"{path} record {i}: expected a JSON object, got {_json_kind(row)}")
+    return [(f"{path} record {i}", row) for i, row in enumerate(rows)]
+
+
+def _read_parquet(path: Path) -> Rows:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError, ValueError) as exc:  # not parquet, truncated, unreadable
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise QerlError(f"{path}: not a readable parquet file ({reason})") from None
+    return [(f"{path} row {i}", row) for i, row in enumerate(rows)]
+
+
+def _read_local_file(path: Path) -> Rows:
+    """(location, row) of one local file; every problem with the file is one QerlError naming it."""
+    readers = {".parquet": _read_parquet, ".json": _read_json, ".jsonl": _read_jsonl}
+    return readers[path.suffix](path)
 
 
 def _local_split_file(directory: Path, split: str) -> Path:
@@ -72,11 +122,11 @@ def _local_split_file(directory: Path, split: str) -> Path:
     if shards:
         return shards[0] if len(shards) == 1 else directory
     present = sorted(p.name for p in directory.iterdir())
-    raise QerlError(f"{directory}: no file for split {split!r} (expected {split}.jsonl, {split}.json or "
+    raise QerlError(f"{directory}: no data file for split {split!r} (expected {split}.jsonl, {split}.json or "
                     f"{split}.parquet); present: {', '.join(present) or 'nothing'}")
 
 
-def _read_source(source: str | Path, split: str, config_name: str | None) -> tuple[list[dict], str]:
+def _read_source(source: str | Path, split: str, config_name: str | None) -> tuple[Rows, str]:
     path = Path(source)
     if path.is_dir():
         target = _local_split_file(path, split)
@@ -90,7 +140,8 @@ def _read_source(source: str | Path, split: str, config_name: str | None) -> tup
         return _read_local_file(path), str(path)
     if str(source).endswith(LOCAL_SUFFIXES) or str(source).startswith((".", "/")):
         raise QerlError(f"data file {source} does not exist")
-    return _read_hub(str(source), split, config_name), f"{source}[{split}]"
+    where = f"{source}[{split}]"
+    return [(f"{where} row {i}", row) for i, row in enumerate(_read_hub(str(source), split, config_name))], where
 
 
 def _read_hub(name: str, split: str, config_name: str | None) -> list[dict]:
@@ -105,49 +156,70 @@ def _read_hub(name: str, split: str, config_name: str | None) -> list[dict]:
     return ds.to_list()
 
 
-def _pick_field(rows: list[dict], given: str | None, candidates: Iterable[str], role: str, where: str) -> str:
-    present = list(rows[0].keys())
+def _pick_field(rows: Rows, given: str | None, candidates: Iterable[str], role: str) -> str:
+    loc, first = rows[0]
+    present = ", ".join(first) or "none"
     if given is not None:
-        if given not in rows[0]:
-            raise QerlError(f"{where}: {role} field {given!r} not found; fields present: {', '.join(present)}")
+        if given not in first:
+            raise QerlError(f"{loc}: {role} field {given!r} not found; fields present: {present}")
         return given
     for name in candidates:
-        if name in rows[0]:
+        if name in first:
             return name
-    raise QerlError(f"{where}: no {role} field (tried {', '.join(candidates)}); fields present: "
-                    f"{', '.join(present)}; set {role}_field")
+    raise QerlError(f"{loc}: no {role} field (tried {', '.join(candidates)}); fields present: {present}; "
+                    f"set {role}_field")
 
 
-def _answer_str(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))  # AMC stores 27.0
-    return str(value).strip()
+def _question_str(value: Any, field: str, loc: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise QerlError(f"{loc}: question field {field!r} must be a non-empty string, got {_json_kind(value)}")
+    return value
+
+
+def _answer_str(value: Any, field: str, loc: str) -> str:
+    """The gold answer as text; "" (dropped by the caller) for null or blank."""
+    if value is None or isinstance(value, str):
+        return (value or "").strip()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return str(int(value)) if value.is_integer() else str(value)  # AMC stores 27.0
+    raise QerlError(f"{loc}: answer field {field!r} must be a string or a number, got {_json_kind(value)}")
+
+
+def _record(loc: str, row: dict, i: int, fields: tuple[str, str, str | None]) -> dict:
+    q_field, a_field, id_field = fields
+    for field in (q_field, a_field):
+        if field not in row:
+            raise QerlError(f"{loc}: no field {field!r}; fields present: {', '.join(row) or 'none'}")
+    rec_id = row.get(id_field) if id_field else None
+    return {"id": str(rec_id if rec_id is not None else i), "question": _question_str(row[q_field], q_field, loc),
+            "answer": _answer_str(row[a_field], a_field, loc)}
 
 
 def load_records(source: str | Path, *, split: str = "train", question_field: str | None = None,
                  answer_field: str | None = None, config_name: str | None = None,
                  limit: int | None = None) -> list[dict]:
-    """[{id, question, answer}] from a local file/directory or a hub dataset; records with an empty answer dropped."""
+    """[{id, question, answer}] from a local file/directory or a hub dataset; records with an empty answer dropped.
+
+    Valid values: a question is a non-empty string; an answer is a string or a finite int/float (AIME/AMC store
+    numbers; 27.0 becomes "27"), and a null or blank answer marks an unanswered record, dropped with a warning.
+    Booleans, lists, objects and NaN/inf are rejected, since their str() is never a gold answer. Any bad file,
+    line or value raises one QerlError naming the file (and line for JSONL).
+    """
     rows, where = _read_source(source, split, config_name)
     if not rows:
-        raise QerlError(f"{where}: the dataset is empty")
-    q_field = _pick_field(rows, question_field, QUESTION_FIELDS, "question", where)
-    a_field = _pick_field(rows, answer_field, ANSWER_FIELDS, "answer", where)
-    id_field = next((f for f in ID_FIELDS if f in rows[0]), None)
+        raise QerlError(f"{where}: no records (the file or split is empty)")
+    q_field = _pick_field(rows, question_field, QUESTION_FIELDS, "question")
+    a_field = _pick_field(rows, answer_field, ANSWER_FIELDS, "answer")
+    id_field = next((f for f in ID_FIELDS if f in rows[0][1]), None)
     records, n_empty = [], 0
-    for i, row in enumerate(rows):
-        if q_field not in row or a_field not in row:
-            missing = q_field if q_field not in row else a_field
-            raise QerlError(f"{where}: record {i} has no field {missing!r}; fields present: {', '.join(row)}")
-        answer = _answer_str(row[a_field])
-        if not answer:
+    for i, (loc, row) in enumerate(rows):
+        record = _record(loc, row, i, (q_field, a_field, id_field))
+        if not record["answer"]:
             n_empty += 1
             continue
-        rec_id = row.get(id_field) if id_field else None
-        records.append({"id": str(rec_id if rec_id is not None else i), "question": str(row[q_field]),
-                        "answer": answer})
+        records.append(record)
         if limit is not None and len(records) >= limit:
             break
     if n_empty:

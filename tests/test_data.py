@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -65,17 +66,125 @@ def test_missing_answer_field_is_one_line_naming_file_and_fields(tmp_path):
         data.load_records(path, answer_field="gold")
 
 
-def test_empty_and_broken_inputs(tmp_path):
-    (tmp_path / "train.jsonl").write_text("")
-    with pytest.raises(QerlError, match="empty"):
-        data.load_records(tmp_path / "train.jsonl")
-    (tmp_path / "bad.jsonl").write_text('{"question": "q", "answer": "1"}\n{oops\n')
-    with pytest.raises(QerlError, match=r"bad.jsonl:2"):
-        data.load_records(tmp_path / "bad.jsonl")
-    with pytest.raises(QerlError, match="no file for split 'validation'"):
-        data.load_records(tmp_path, split="validation")
+def _jsonl(*rows) -> bytes:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
+
+
+GOOD = {"question": "q", "answer": "1"}
+# (file name, bytes, expected message after the path): each a hostile file a user may hand to load_records.
+HOSTILE = {
+    "non_utf8_jsonl": ("t.jsonl", _jsonl(GOOD) + b'{"question": "caf\xe9", "answer": "2"}\n', r":2: not UTF-8"),
+    "non_utf8_json": ("t.json", b'[{"question": "\xff", "answer": "1"}]', r":1: not UTF-8"),
+    "array_line": ("t.jsonl", _jsonl(GOOD, "[1, 2]"), r":2: expected a JSON object per line, got a list \[1, 2\]"),
+    "number_line": ("t.jsonl", _jsonl("42"), r":1: expected a JSON object per line, got a number 42"),
+    "string_line": ("t.jsonl", _jsonl('"hi"'), r":1: expected a JSON object per line, got a string"),
+    "invalid_jsonl": ("t.jsonl", _jsonl(GOOD, "{oops"), r":2: not valid JSON"),
+    "invalid_json": ("t.json", b'[{"question": "q",', r": not valid JSON"),
+    "json_not_a_list": ("t.json", b'{"x": 1}', r": expected a JSON list of records"),
+    "json_list_of_numbers": ("t.json", b"[1, 2]", r" record 0: expected a JSON object, got a number 1"),
+    "empty_jsonl": ("t.jsonl", b"", r": no records"),
+    "blank_lines_only": ("t.jsonl", b"\n \n\n", r": no records"),
+    "empty_json_list": ("t.json", b"[]", r": no records"),
+    "no_answer_field": ("t.jsonl", _jsonl({"question": "q", "label": 3}),
+                        r":1: no answer field .*fields present: question, label"),
+    "later_record_lacks_answer": ("t.jsonl", _jsonl(GOOD, {"question": "q2"}),
+                                  r":2: no field 'answer'; fields present: question"),
+    "question_number": ("t.jsonl", _jsonl(GOOD, {"question": 5, "answer": "1"}),
+                        r":2: question field 'question' must be a non-empty string, got a number 5"),
+    "question_null": ("t.jsonl", _jsonl({"question": None, "answer": "1"}), r":1: question .* got null"),
+    "question_blank": ("t.jsonl", _jsonl({"question": " ", "answer": "1"}), r":1: question .* got a string"),
+    "question_list": ("t.jsonl", _jsonl({"problem": ["a"], "answer": "1"}), r":1: question field 'problem'"),
+    "answer_list": ("t.jsonl", _jsonl({"question": "q", "answer": [1, 2]}),
+                    r":1: answer field 'answer' must be a string or a number, got a list \[1, 2\]"),
+    "answer_object": ("t.jsonl", _jsonl({"question": "q", "answer": {"v": 1}}), r":1: answer .* got an object"),
+    "answer_bool": ("t.jsonl", _jsonl({"question": "q", "answer": True}), r":1: answer .* got a boolean true"),
+    "answer_nan": ("t.jsonl", _jsonl('{"question": "q", "answer": NaN}'), r":1: answer .* got a number NaN"),
+    "all_answers_empty": ("t.jsonl", _jsonl({"question": "q", "answer": None}, {"question": "q", "answer": ""}),
+                          r": no record has a non-empty 'answer'"),
+    "not_parquet": ("t.parquet", b"PAR1 this is not parquet", r": not a readable parquet file"),
+    "csv_file": ("t.csv", b"question,answer\nq,1\n", r": unsupported data file type '.csv'"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_file_is_one_line_naming_the_file(tmp_path, case):
+    name, content, expected = HOSTILE[case]
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(QerlError) as exc:
+        data.load_records(path)
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith(str(path)), msg
+    assert re.search(expected, msg[len(str(path)):]), msg
+
+
+def test_parquet_with_a_list_answer_names_the_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([GOOD, {"question": "q2", "answer": None}]), tmp_path / "ok.parquet")
+    assert [r["answer"] for r in data.load_records(tmp_path / "ok.parquet")] == ["1"]  # null: unanswered
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "answer": ["1", "2"]}]), tmp_path / "bad.parquet")
+    with pytest.raises(QerlError, match=r"bad.parquet row 0: answer field 'answer' .* got a list"):
+        data.load_records(tmp_path / "bad.parquet")
+
+
+def test_hub_rows_are_checked_like_files(monkeypatch):
+    import datasets
+
+    rows = [{"problem": "q", "answer": {"value": 7}}, {"problem": "q", "answer": {"value": 8}}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_list(rows))
+    with pytest.raises(QerlError, match=r"^org/set\[test\] row 0: answer field 'answer' .* got an object"):
+        data.load_records("org/set", split="test")
+
+
+@pytest.mark.parametrize("files,expected", [
+    ((), r"no data file for split 'train' .*present: nothing"),
+    (("README.md", "test.jsonl"), r"no data file for split 'train' .*present: README.md, test.jsonl"),
+])
+def test_directory_without_data_file(tmp_path, files, expected):
+    for name in files:
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(QerlError, match=expected) as exc:
+        data.load_records(tmp_path)
+    assert str(exc.value).startswith(str(tmp_path)) and "\n" not in str(exc.value)
     with pytest.raises(QerlError, match="does not exist"):
         data.load_records(tmp_path / "nope.jsonl")
+
+
+def test_numeric_answers_are_gold_answers_and_null_answers_are_dropped(tmp_path, caplog):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(_jsonl({"question": "a", "answer": 204}, {"question": "b", "answer": 27.0},
+                            {"question": "c", "answer": 0.5}, {"question": "d", "answer": None},
+                            '{"question": "e\u2028f", "answer": " x "}'))
+    recs = data.load_records(path)
+    assert [r["answer"] for r in recs] == ["204", "27", "0.5", "x"]
+    assert recs[-1]["question"] == "e\u2028f"  # a line separator inside a JSON string is not a line break
+    assert "dropped 1 record(s) with an empty 'answer'" in caplog.text
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + _jsonl(GOOD))  # editors on Windows write a BOM
+    assert data.load_records(tmp_path / "bom.jsonl")[0]["question"] == "q"
+
+
+def test_every_shared_data_file_loads(data_dir):
+    files = sorted(data_dir.glob("*/*.jsonl"))
+    assert len(files) >= 6
+    for path in files:
+        recs = data.load_records(path)
+        assert recs, path
+        assert all(isinstance(r["question"], str) and r["question"].strip() for r in recs), path
+        assert all(isinstance(r["answer"], str) and r["answer"] for r in recs), path
+
+
+@pytest.mark.parametrize("case", ["non_utf8_jsonl", "array_line", "answer_list", "empty_jsonl"])
+def test_hostile_benchmark_file_is_one_line(tmp_path, case):
+    _, content, expected = HOSTILE[case]
+    path = tmp_path / "gsm8k" / "test.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(content)
+    with pytest.raises(QerlError) as exc:
+        benchmarks.load_benchmark("gsm8k", data_dir=tmp_path)
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith(str(path)) and re.search(expected, msg), msg
 
 
 def test_hub_name_offline_is_a_clear_error(monkeypatch):
