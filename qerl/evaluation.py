@@ -78,17 +78,20 @@ def _sampling_dict(sampling: Any) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
 
-def _grade_rows(records: list[dict], texts: list[str], out, k: int, kind: str, offset: int) -> list[dict]:
-    """Per-problem records for one generated batch (rows prompt-major: i*k + j)."""
-    from qerl.rewards import extract_answer, grade
+def _grade_rows(records: list[dict], texts: list[str], out, k: int, kind: str, offset: int, *,
+                timeout_s: float, stats) -> list[dict]:
+    """Per-problem records for one generated batch (rows prompt-major: i*k + j); `stats` counts timeouts."""
+    from qerl.rewards import grade_completion
 
     problems = []
     for i, rec in enumerate(records):
         samples = []
         for j in range(k):
             row = i * k + j
-            samples.append({"text": texts[row], "extracted": extract_answer(texts[row], kind),
-                            "correct": bool(grade(texts[row], rec["answer"], kind)),
+            g = grade_completion(texts[row], rec["answer"], kind, timeout_s=timeout_s)
+            stats.add(g.timed_out)
+            samples.append({"text": texts[row], "extracted": g.extracted, "correct": g.correct,
+                            "grading_timed_out": g.timed_out,
                             "n_tokens": len(out.completion_ids[row]), "finish_reason": out.finish_reasons[row]})
         problems.append({"index": offset + i, "id": rec.get("id", str(offset + i)), "gold": rec["answer"],
                          "accuracy": sum(s["correct"] for s in samples) / k, "samples": samples})
@@ -96,9 +99,13 @@ def _grade_rows(records: list[dict], texts: list[str], out, k: int, kind: str, o
 
 
 def evaluate_benchmark(engine, tokenizer, records: list[dict], *, kind: str, template: str, sampling,
-                       k: int = 1, batch_size: int = 8) -> tuple[dict, list[dict]]:
-    """Generate k completions per problem, grade them, and return (summary, per_problem records)."""
+                       k: int = 1, batch_size: int = 8, grading_timeout_s: float = 1.0) -> tuple[dict, list[dict]]:
+    """Generate k completions per problem, grade them, and return (summary, per_problem records).
+
+    Grading one completion takes at most grading_timeout_s seconds; past it, the sample is wrong and counted in
+    the summary's `grading_timeouts`."""
     from qerl.data import encode_prompts
+    from qerl.rewards import GradingStats
 
     if not records:
         raise QerlError("evaluate_benchmark: no records")
@@ -108,6 +115,7 @@ def evaluate_benchmark(engine, tokenizer, records: list[dict], *, kind: str, tem
     if greedy:
         k = 1  # greedy decoding gives the same completion k times
     per_problem: list[dict] = []
+    stats = GradingStats()
     for start in range(0, len(records), batch_size):
         batch = records[start:start + batch_size]
         prompt_ids = encode_prompts(tokenizer, [r["question"] for r in batch], template)
@@ -116,7 +124,7 @@ def evaluate_benchmark(engine, tokenizer, records: list[dict], *, kind: str, tem
             raise QerlError(f"engine returned {len(out.completion_ids)} completions for {len(batch)} prompts "
                             f"x n={k}; expected {len(batch) * k}")
         texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        per_problem.extend(_grade_rows(batch, texts, out, k, kind, start))
+        per_problem.extend(_grade_rows(batch, texts, out, k, kind, start, timeout_s=grading_timeout_s, stats=stats))
     samples = [s for p in per_problem for s in p["samples"]]
     summary = pass_at_1_stats([[s["correct"] for s in p["samples"]] for p in per_problem])
     summary.update({
@@ -124,6 +132,7 @@ def evaluate_benchmark(engine, tokenizer, records: list[dict], *, kind: str, tem
         "n_samples": len(samples),
         "mean_response_tokens": sum(s["n_tokens"] for s in samples) / len(samples),
         "n_truncated": sum(s["finish_reason"] == "length" for s in samples),
+        "grading_timeouts": stats.timeouts,
         "sampling": _sampling_dict(sampling),
     })
     return summary, per_problem
@@ -183,6 +192,7 @@ def benchmark_entry(summary: dict, *, benchmark: str, variant: str, **extra) -> 
              "ci95": [summary["ci95_low"], summary["ci95_high"]], "ci_method": summary["ci_method"],
              "n_problems": summary["n_problems"], "k": summary["k"], "n_samples": summary["n_samples"],
              "mean_response_tokens": summary["mean_response_tokens"], "n_truncated": summary["n_truncated"],
+             "grading_timeouts": summary.get("grading_timeouts", 0),
              "kind": summary["kind"], "template": summary["template"], "sampling": summary["sampling"]}
     entry.update(extra)
     return entry

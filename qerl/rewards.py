@@ -14,31 +14,41 @@ The model's answer is taken, in this order, from the last <answer>...</answer>, 
 the last "Answer: X" / "answer is X" / "#### X", and (unless strict) the last number (numeric kinds) or the
 whole response (math kind, math-verify then picks the last expression).
 
-Time limit: math-verify bounds each parse and each comparison with SIGALRM (`timeout_s`, whole seconds), so one
-grade costs at most ~3 * timeout_s (gold parse, prediction parse, verify). SIGALRM only works in the main
-thread: off the main thread (e.g. a thread pool in a trainer) math grading runs in a spawned worker process
-that is killed after 3 * timeout_s, so a pathological expression (9^9^9^9...) can never hang the caller.
-Numeric kinds use exact rational arithmetic on short strings and need no time limit.
+Time limit: the whole grade of one completion (extraction, math-verify parse of both sides, verify) runs under one
+wall-time limit, `timeout_s` seconds (a float, default 1.0; the trainer and evaluation read it from
+`train.grading_timeout_s` / `eval.grading_timeout_s`). Past it the sample grades wrong and counts as a timeout:
+`grade_completion` returns a Grade with timed_out=True, correctness_reward and call_reward add it to a GradingStats.
+The limit is SIGALRM in the main thread and a killable worker process elsewhere (qerl.time_limit). Extraction itself
+is linear in the text (str.find scans and regexes that cannot backtrack across the text), and only the last
+_MAX_EXAMINED_CHARS of a completion are examined, so a hostile megabyte cannot even reach the limit.
+Reward functions that are not qerl's own (an import path from get_reward_fn) run under one limit per call,
+timeout_s per completion (call_reward).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
 import re
-import threading
 from fractions import Fraction
 from typing import Any, Callable
 
 from qerl.errors import QerlError
+from qerl.time_limit import call_with_limit, shutdown_worker
 
 log = logging.getLogger(__name__)
 
 GRADING_KINDS = ("gsm8k", "math", "aime", "amc", "numeric")
-DEFAULT_TIMEOUT_S = 5
+DEFAULT_TIMEOUT_S = 1.0
 _MAX_ANSWER_CHARS = 2000  # an "answer" longer than this is not an answer; keeps parsing bounded
+# Answers sit at the end: 256K characters is about twice a 32k-token completion, so every real completion is
+# examined whole and only a runaway or hostile one loses its head (which holds no final answer).
+_MAX_EXAMINED_CHARS = 256 * 1024
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+# One tag at a time (a lazy <answer>(.*?)</answer> rescans to the end for every unclosed tag: quadratic).
+_OPEN_TAG = re.compile("<answer>", re.IGNORECASE)
+_CLOSE_TAG = re.compile("</answer>", re.IGNORECASE)
 _ANSWER_LINE = re.compile(
     r"(?:final answer|answer)\s*(?:is|:)\s*(.+)|####\s*(.+)", re.IGNORECASE
 )
@@ -49,6 +59,18 @@ _FRAC = re.compile(r"^(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}$")
 def _check_kind(kind: str) -> None:
     if kind not in GRADING_KINDS:
         raise QerlError(f"grading kind {kind!r} is unknown; expected one of {', '.join(GRADING_KINDS)}")
+
+
+def last_answer_tag(text: str) -> str | None:
+    """Content of the last <answer>...</answer>: each opening tag pairs with the next closing tag, as in a lazy
+    regex's findall, in one left-to-right pass."""
+    inner, pos = None, 0
+    while (opening := _OPEN_TAG.search(text, pos)) is not None:
+        closing = _CLOSE_TAG.search(text, opening.end())
+        if closing is None:  # no later opening tag can close either
+            break
+        inner, pos = text[opening.end():closing.start()], closing.end()
+    return inner
 
 
 def last_boxed(text: str) -> str | None:
@@ -84,9 +106,8 @@ def extract_answer(text: str, kind: str = "math", *, strict: bool = False) -> st
     _check_kind(kind)
     if not isinstance(text, str):
         return None
-    tags = _ANSWER_TAG.findall(text)
-    if tags:
-        inner = tags[-1]
+    inner = last_answer_tag(text)
+    if inner is not None:
         boxed = last_boxed(inner)
         return _strip_math_delims(boxed if boxed is not None else inner)
     boxed = last_boxed(text)
@@ -111,7 +132,7 @@ def parse_number(s: Any) -> Fraction | None:
     if isinstance(s, (int, float)):
         return Fraction(str(s))
     s = str(s).strip()
-    s = re.sub(r"\\text\{\s*([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\text\{([^{}]*)\}", lambda m: m.group(1).lstrip(), s)  # \s*([^{}]*) would backtrack
     for junk in ("\\$", "$", "\\%", "%", "\\!", "\\,", "\\;", "\\ ", "{,}"):
         s = s.replace(junk, "")
     s = s.replace("−", "-").replace(" ", "").rstrip(".")
@@ -155,16 +176,12 @@ def _gold_number(gold: Any, kind: str) -> Fraction:
     return value
 
 
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
 @functools.lru_cache(maxsize=4096)
-def _parse_gold_latex(gold: str, timeout_s: int):
+def _parse_gold_latex(gold: str):
     from math_verify import parse
 
-    parsed = parse(f"${gold}$", parsing_timeout=timeout_s)
-    return parsed or parse(f"\\boxed{{{gold}}}", parsing_timeout=timeout_s)
+    parsed = parse(f"${gold}$", parsing_timeout=None)
+    return parsed or parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
 
 
 def _norm_str(s: str) -> str:
@@ -178,74 +195,102 @@ def _clean_latex(s: str) -> str:
     return s.replace("\\$", "").replace("\\!", "").replace("{,}", ",").strip()
 
 
-def _math_equal(pred: str, gold: str, timeout_s: int) -> bool:
+@functools.cache
+def _warm_up_math_verify() -> None:
+    """Import math-verify and run it once outside any limit: its first call imports sympy and the LaTeX grammar,
+    which would otherwise eat the first sample's time. Its own SIGALRM timeouts stay off (parsing_timeout=None):
+    they would cancel the per-sample timer, which bounds the whole grade instead."""
+    import math_verify.grader
+    import math_verify.parser
+
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = math_verify.grader.TIMEOUT_WARNING_SHOWN = True  # we time it
+    math_verify.verify(_parse_gold_latex("1"), math_verify.parse("$1$", parsing_timeout=None), timeout_seconds=None)
+    shutdown_worker()  # a worker forked before this would import sympy inside its first limit
+
+
+def _math_equal(pred: str, gold: str) -> bool:
     """math-verify equivalence of two LaTeX answers (each already extracted), with a string fallback."""
     from math_verify import parse, verify
 
     if _norm_str(pred) == _norm_str(gold) and _norm_str(gold):
         return True
     pred, gold = _clean_latex(pred), _clean_latex(gold)
-    gold_parsed = _parse_gold_latex(gold, timeout_s)
+    gold_parsed = _parse_gold_latex(gold)
     if not gold_parsed:
         return False
     text = pred if ("$" in pred or "\\(" in pred or "\\boxed" in pred) else f"${pred}$"
-    pred_parsed = parse(text, parsing_timeout=timeout_s)
+    pred_parsed = parse(text, parsing_timeout=None)
     if not pred_parsed and text != pred:
-        pred_parsed = parse(pred, parsing_timeout=timeout_s)
-    return bool(pred_parsed) and bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s))
+        pred_parsed = parse(pred, parsing_timeout=None)
+    return bool(pred_parsed) and bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
 
 
-_POOL = None
+# ----------------------------------------------------------------------------------------------- grading
+@dataclasses.dataclass(frozen=True)
+class Grade:
+    """One graded completion: correct, the extracted answer (None if none or timed out), and whether the limit hit."""
+    correct: bool
+    extracted: str | None
+    timed_out: bool = False
 
 
-def _math_equal_isolated(pred: str, gold: str, timeout_s: int) -> bool:
-    """Off the main thread SIGALRM is unavailable: run in a worker process and kill it if it overruns.
+@dataclasses.dataclass
+class GradingStats:
+    """Tally of a batch's grades, filled by correctness_reward / call_reward when passed as `stats`."""
+    graded: int = 0
+    timeouts: int = 0
 
-    The worker is forked (it needs nothing but math-verify, imported here first, and no re-import of __main__);
-    if a fork ever inherits a held lock, the worker stalls, the timeout fires and the sample is graded wrong.
-    """
-    import multiprocessing
-    import os
-
-    import math_verify  # noqa: F401  (imported before the fork so the worker has it)
-
-    global _POOL
-    if _POOL is None:
-        method = "fork" if os.name == "posix" else "spawn"
-        _POOL = multiprocessing.get_context(method).Pool(1)
-    job = _POOL.apply_async(_math_equal, (pred, gold, timeout_s))
-    limit = 3 * (timeout_s or DEFAULT_TIMEOUT_S) + 2
-    try:
-        return bool(job.get(timeout=limit))
-    except multiprocessing.TimeoutError:
-        log.warning("math grading of %r took over %ss: graded wrong", pred[:60], limit)
-        _POOL.terminate()
-        _POOL = None
-        return False
+    def add(self, timed_out: bool, n: int = 1) -> None:
+        self.graded += n
+        self.timeouts += n if timed_out else 0
 
 
-def grade(response: str, gold: Any, kind: str = "math", *, strict: bool = False,
-          timeout_s: int = DEFAULT_TIMEOUT_S) -> bool:
-    """True when the model's final answer in `response` equals `gold` under the rules of `kind`."""
-    _check_kind(kind)
+def _grade_unlimited(response: str, gold: Any, kind: str, strict: bool) -> tuple[bool, str | None]:
+    """(correct, extracted answer) with no time limit: call through grade_completion."""
     pred = extract_answer(response, kind, strict=strict)
     if pred is None or len(pred) > _MAX_ANSWER_CHARS and kind != "math":
-        return False
+        return False, pred
     if kind == "math":
-        if len(pred) > _MAX_ANSWER_CHARS:  # whole-response fallback: keep only the tail math-verify looks at
-            pred = pred[-_MAX_ANSWER_CHARS:]
-        gold_str = gold_answer(gold, kind)
-        if _in_main_thread():
-            return _math_equal(pred, gold_str, timeout_s)
-        return _math_equal_isolated(pred, gold_str, timeout_s)
+        # whole-response fallback: keep only the tail math-verify looks at
+        return _math_equal(pred[-_MAX_ANSWER_CHARS:], gold_answer(gold, kind)), pred
     target = _gold_number(gold, kind)
     value = _numeric_value(pred)
     if value is not None:
-        return value == target
-    if "\\" in pred:  # LaTeX such as \frac{50}{2} or \sqrt{625}: let math-verify decide
-        return _math_equal(pred, str(target), timeout_s) if _in_main_thread() else \
-            _math_equal_isolated(pred, str(target), timeout_s)
-    return False
+        return value == target, pred
+    # LaTeX such as \frac{50}{2} or \sqrt{625}: let math-verify decide
+    return ("\\" in pred and _math_equal(pred, str(target))), pred
+
+
+def _check_timeout(timeout_s: Any) -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise QerlError(f"grading_timeout_s must be a positive number of seconds; got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def grade_completion(response: str, gold: Any, kind: str = "math", *, strict: bool = False,
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> Grade:
+    """Grade one completion within `timeout_s` seconds of wall time; past it, a wrong Grade with timed_out=True."""
+    _check_kind(kind)
+    seconds = _check_timeout(timeout_s)
+    if not isinstance(response, str):
+        return Grade(False, None)
+    text = response[-_MAX_EXAMINED_CHARS:]
+    if kind != "math":
+        _gold_number(gold, kind)  # a bad gold is the user's mistake: raise it here, not as a timeout
+    if kind == "math" or "\\" in text:
+        _warm_up_math_verify()
+    finished, result = call_with_limit(_grade_unlimited, (text, gold, kind, strict), seconds=seconds)
+    if not finished:
+        log.warning("grading took over %.3gs: graded wrong (completion ends %r)", seconds, text[-60:])
+        return Grade(False, None, timed_out=True)
+    return Grade(*result)
+
+
+def grade(response: str, gold: Any, kind: str = "math", *, strict: bool = False,
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """True when the model's final answer in `response` equals `gold` under the rules of `kind` (see
+    grade_completion for the time limit)."""
+    return grade_completion(response, gold, kind, strict=strict, timeout_s=timeout_s).correct
 
 
 # ----------------------------------------------------------------------------------------------- rewards
@@ -261,19 +306,36 @@ def completion_text(completion: Any) -> str:
 
 
 def correctness_reward(completions: list, answers: list | None = None, kind: str = "math", *,
-                       strict: bool = False, timeout_s: int = DEFAULT_TIMEOUT_S, **kw) -> list[float]:
-    """1.0 for a correct final answer, else 0.0. `answers` may also arrive as TRL's dataset column `answer`."""
+                       strict: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                       stats: GradingStats | None = None, **kw) -> list[float]:
+    """1.0 for a correct final answer, else 0.0 (also when grading one completion takes over timeout_s seconds;
+    `stats` counts those). `answers` may also arrive as TRL's dataset column `answer`."""
     if answers is None:
         answers = kw.get("answer")
     if answers is None or len(answers) != len(completions):
         raise QerlError(f"correctness_reward: answers has {None if answers is None else len(answers)} items, "
                         f"expected one per completion ({len(completions)})")
-    return [float(grade(completion_text(c), a, kind, strict=strict, timeout_s=timeout_s))
-            for c, a in zip(completions, answers)]
+    grades = [grade_completion(completion_text(c), a, kind, strict=strict, timeout_s=timeout_s)
+              for c, a in zip(completions, answers)]
+    if stats is not None:
+        for g in grades:
+            stats.add(g.timed_out)
+    return [float(g.correct) for g in grades]
 
 
-_THINK_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+# The anchored regex ^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$ backtracks quadratically on many tags;
+# this finds the same thing with one search: the first </think> that whitespace joins to an <answer>.
+_THINK_THEN_ANSWER = re.compile(r"</think>\s*<answer>")
 _ANSWER_LINE_FORMAT = re.compile(r"^[ \t]*Answer:[ \t]*[-+]?\d[\d,]*(?:\.\d+)?[ \t]*$", re.MULTILINE)
+
+
+def _is_think_format(text: str) -> bool:
+    """<think>...</think> <answer>...</answer> with only whitespace around (str.strip and \\s agree)."""
+    body = text.strip()
+    if not (body.startswith("<think>") and body.endswith("</answer>")):
+        return False
+    joint = _THINK_THEN_ANSWER.search(body, len("<think>"))
+    return joint is not None and joint.end() <= len(body) - len("</answer>")
 
 
 def _answer_line_score(text: str, trailing_penalty: float) -> float:
@@ -295,7 +357,7 @@ def format_reward(completions: list, style: str = "think", *, trailing_penalty: 
     """
     texts = [completion_text(c) for c in completions]
     if style == "think":
-        return [1.0 if _THINK_FORMAT.match(t) else 0.0 for t in texts]
+        return [1.0 if _is_think_format(t) else 0.0 for t in texts]
     if style == "answer_line":
         return [_answer_line_score(t, trailing_penalty) for t in texts]
     raise QerlError(f"format_reward style {style!r} is unknown; expected 'think' or 'answer_line'")
@@ -327,3 +389,28 @@ def get_reward_fn(spec: str) -> Callable[..., list[float]]:
     if not callable(fn):
         raise QerlError(f"reward function {spec!r}: module {module_name!r} has no callable {attr!r}")
     return fn
+
+
+def call_reward(fn: Callable[..., list[float]], completions: list, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                stats: GradingStats | None = None, **kw) -> list[float]:
+    """Call a reward function under the grading limit; `stats` counts the completions that hit it.
+
+    qerl's own rewards bound themselves (correctness per completion, format by linear scans). Any other function
+    (an import path from get_reward_fn, a callable given to the trainer) runs under one limit for the whole call,
+    timeout_s per completion; past it, every completion of that call gets 0.0 and counts as timed out.
+    """
+    if getattr(fn, "func", fn) in _SELF_LIMITED:
+        return fn(completions, timeout_s=timeout_s, stats=stats, **kw)
+    n = len(completions)
+    seconds = _check_timeout(timeout_s) * max(1, n)
+    finished, values = call_with_limit(fn, (completions,), kw, seconds=seconds)
+    if stats is not None:
+        stats.add(not finished, n)
+    if not finished:
+        log.warning("reward %s took over %.3gs for %d completions: all get 0.0",
+                    getattr(fn, "__qualname__", fn), seconds, n)
+        return [0.0] * n
+    return values
+
+
+_SELF_LIMITED = (correctness_reward, format_reward)

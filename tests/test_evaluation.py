@@ -5,6 +5,7 @@ import dataclasses
 import datetime
 import json
 import re
+import time
 
 import numpy as np
 import pytest
@@ -124,6 +125,7 @@ def test_evaluate_benchmark_sampled(tokenizer):
     ref = pass_at_1_stats(expected)
     assert summary["accuracy"] == pytest.approx(ref["accuracy"]) and summary["ci95_low"] == ref["ci95_low"]
     assert summary["mode"] == "sampled" and summary["k"] == 3 and summary["n_samples"] == 21
+    assert summary["grading_timeouts"] == 0 and not any(s["grading_timed_out"] for p in problems for s in p["samples"])
     assert summary["n_truncated"] == sum(1 for i in range(21) if (i % 9) % 5 == 4)  # per-batch counter in fake
     n_tokens = [s["n_tokens"] for p in problems for s in p["samples"]]
     assert summary["mean_response_tokens"] == pytest.approx(sum(n_tokens) / 21)
@@ -199,3 +201,57 @@ def test_evaluate_benchmark_with_the_torch_engine(tiny_model_dir):
     assert summary["n_truncated"] == sum(s["finish_reason"] == "length" for s in samples)
     assert all(s["correct"] == grade(s["text"], p["gold"], "numeric") for p in problems for s in p["samples"])
     assert summary["sampling"]["max_tokens"] == 6 and summary["mode"] == "sampled"
+
+
+# ------------------------------------------------------------------ grading limit
+MB = 1 << 20
+
+
+class TextEngine:
+    """Completion row r is the single token id r; the test's batch_decode turns it into texts[r]."""
+
+    def __init__(self):
+        self.rows = 0
+
+    def generate(self, prompt_ids, n, sampling):
+        ids = [[self.rows + r] for r in range(len(prompt_ids) * n)]
+        self.rows += len(ids)
+        return FakeOutput([p for p in prompt_ids for _ in range(n)], ids, [[0.0]] * len(ids), ["stop"] * len(ids))
+
+
+def _evaluate_texts(monkeypatch, tokenizer, texts, records, **kw):
+    monkeypatch.setattr(tokenizer, "batch_decode", lambda ids, **_: [texts[row[0]] for row in ids])
+    k = len(texts) // len(records)
+    return evaluate_benchmark(TextEngine(), tokenizer, records, kind="math", template="answer_line",
+                              sampling=FakeSampling(), k=k, batch_size=1, **kw)
+
+
+@pytest.mark.parametrize("text", ["<answer>" * (MB // 8) + " junk 7", "\\boxed{" * (MB // 7) + "7",
+                                  "<think>" * (MB // 7) + "</think>"], ids=["answer", "boxed", "think"])
+def test_hostile_megabyte_is_graded_quickly(tokenizer, monkeypatch, text):
+    from qerl.rewards import grade
+
+    assert grade("\\boxed{7}", "7", "math")  # math-verify's one-time imports stay out of the timing
+    t0 = time.monotonic()
+    summary, problems = _evaluate_texts(monkeypatch, tokenizer, [text], RECORDS[:1])
+    assert time.monotonic() - t0 < 2.0  # the lazy tag regex took minutes on these
+    assert summary["n_samples"] == 1 and problems[0]["samples"][0]["text"] is text
+
+
+def test_timed_out_samples_are_wrong_and_counted(tokenizer, monkeypatch, tmp_path):
+    import qerl.rewards
+
+    monkeypatch.setattr(qerl.rewards, "_math_equal", lambda *a: time.sleep(30) or True)
+    t0 = time.monotonic()
+    summary, problems = _evaluate_texts(monkeypatch, tokenizer, ["<answer>4</answer>"] * 4, RECORDS[:2],
+                                        grading_timeout_s=0.2)
+    assert time.monotonic() - t0 < 4 * 0.2 + 3.0
+    assert summary["grading_timeouts"] == 4 and summary["accuracy"] == 0.0
+    assert all(s["grading_timed_out"] and not s["correct"] for p in problems for s in p["samples"])
+    doc = {"experiment": "demo", "model": {"path": "m"}, "created": "2025-01-01T00:00:00+00:00",
+           "benchmarks": {"demo/trained/sampled": benchmark_entry(summary, benchmark="demo", variant="trained")}}
+    assert load_eval_json(write_eval_json(doc, tmp_path / "eval.json"))["benchmarks"]["demo/trained/sampled"][
+        "grading_timeouts"] == 4
+    doc["benchmarks"]["demo/trained/sampled"]["grading_timeouts"] = -1
+    with pytest.raises(QerlError, match="grading_timeouts"):
+        validate_eval(doc)
