@@ -1,4 +1,7 @@
-"""`qerl <stage> ...`: the console entry; each stage is also `python -m qerl.<stage>`."""
+"""`qerl <stage> ...`: the console entry; each stage is also `python -m qerl.<stage>`.
+
+The GPU benchmarks are not part of the installed package: `python -m bench.<name>` from the repository root.
+"""
 from __future__ import annotations
 
 import importlib
@@ -8,17 +11,16 @@ STAGES = {
     "quantize": "qerl.quantize", "train": "qerl.train", "merge": "qerl.merge", "evaluate": "qerl.evaluate",
     "tables": "qerl.tables", "config": "qerl.config", "resources": "qerl.resources", "data": "qerl.data",
 }
-BENCHES = ("kernels", "rollout", "e2e", "aqn_entropy")
+BENCH_HINT = "the benchmarks are not installed: run `python -m bench.{name}` from the repository root (bench/)"
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:  # qerl bench rollout ... (tables + JSON)
-        importlib.import_module(f"qerl.bench.{argv[1]}").main(argv[2:])
-        return
+    if argv[:1] == ["bench"]:  # the former `qerl bench <name>`: say where the benchmarks went
+        sys.exit("qerl bench: " + BENCH_HINT.format(name=argv[1] if len(argv) > 1 else "<name>"))
     if not argv or argv[0] not in STAGES:
-        sys.exit(f"usage: qerl {{{','.join(STAGES)}}} [args...] | qerl bench {{{','.join(BENCHES)}}} [args...]"
-                 "  (each is also python -m qerl.<name>)")
+        sys.exit(f"usage: qerl {{{','.join(STAGES)}}} [args...]  (each is also python -m qerl.<name>; "
+                 + BENCH_HINT.format(name="<name>") + ")")
     module = importlib.import_module(STAGES[argv[0]])
     from qerl.stage import run_main
 

@@ -9,7 +9,7 @@ the scale) and about as many again in backward, each over a (tokens, hidden) ten
 checkpointing the forward runs twice. Under torch.compile (inductor) the same math is one kernel forward and one
 backward; SiLU(gate) * up likewise; the log-probs and entropies of the lm_head chunks (target_logprobs) read the
 bf16 logits a few times instead of making and re-reading an fp32 log-softmax. On a 7B GRPO update these
-element-wise passes were ~40% of the GPU time (bf16 and FP4 alike: BENCHMARKS.md, session 11).
+element-wise passes were ~40% of the GPU time (bf16 and FP4 alike: BENCHMARKS.md, "(c) One GRPO step").
 
 The compiled path runs only while autograd records on CUDA tensors (training forward, its recomputation, backward);
 no_grad calls (rollouts, whose engine compiles its own whole decode step, evaluation, reference log-probs) and CPU

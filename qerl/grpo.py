@@ -1,7 +1,7 @@
 """GRPO/DAPO numerics as pure functions: group advantages, chunked token log-probs, the clipped token loss, TIS.
 
 Names and normalisations follow TRL's GRPOTrainer so users feel at home (scale_rewards, loss_type, epsilon,
-epsilon_high, beta, num_items_in_batch, clip_ratio/* metrics); the trainer (qerl/train.py) owns the loop.
+epsilon_high, beta, num_items_in_batch, clip_ratio/* metrics); the trainer (qerl.trainer.GRPOTrainer) owns the loop.
 
     adv = group_advantages(rewards, group_size=8)                       # (B*G,)
     lp, ent = token_logprobs(model, input_ids, attention_mask, logits_to_keep=T, temperature=1.0)

@@ -1,6 +1,7 @@
-"""The `qerl` console entry dispatches to the stage CLIs and benchmarks."""
+"""The `qerl` console entry dispatches to the stage CLIs; the benchmarks are not installed with it."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
 def test_unknown_command_prints_usage():
     with pytest.raises(SystemExit) as exc:
         cli.main(["frobnicate"])
-    assert "usage: qerl" in str(exc.value) and "bench" in str(exc.value)
+    assert "usage: qerl" in str(exc.value) and "python -m bench.<name>" in str(exc.value)
 
 
 def test_stage_dispatch_runs_the_module_main(capsys):
@@ -21,10 +22,9 @@ def test_stage_dispatch_runs_the_module_main(capsys):
     assert capsys.readouterr().out.startswith("ok:")
 
 
-def test_bench_dispatch(monkeypatch):
-    import qerl.bench.aqn_entropy as mod
-
-    seen = {}
-    monkeypatch.setattr(mod, "main", lambda argv: seen.setdefault("argv", argv))
-    cli.main(["bench", "aqn_entropy", "--sigmas", "0"])
-    assert seen["argv"] == ["--sigmas", "0"]
+def test_bench_points_to_the_repository_modules_without_importing_them(monkeypatch):
+    monkeypatch.delitem(sys.modules, "bench.kernels", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "kernels", "--rows", "1"])
+    assert "python -m bench.kernels" in str(exc.value) and "repository root" in str(exc.value)
+    assert "bench.kernels" not in sys.modules  # nothing outside the installed package is imported

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from qerl import fused_elementwise as fe
-from qerl.bench.random_models import attach_lora, build_random_model, qwen25_config
+from bench.random_models import attach_lora, build_random_model, qwen25_config
 from qerl.tiled_mlp import tile_mlps
 
 

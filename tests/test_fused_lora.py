@@ -7,7 +7,7 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
 
-from qerl.bench.random_models import attach_lora, build_random_model
+from bench.random_models import attach_lora, build_random_model
 from qerl.fused_lora import (FusedLoraLinear, LoraLinearFunction, fused_training_adapter, register_fused_lora,
                              set_fused)
 from qerl.quant.linear import FP4Linear

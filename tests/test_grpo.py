@@ -415,7 +415,7 @@ def test_mixed_precision_runs_lora_in_the_model_dtype(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qerl.bench.e2e_workers import make_trainer
+    from bench.e2e_workers import make_trainer
     from qerl.trainer import Batch
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

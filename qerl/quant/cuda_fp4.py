@@ -8,28 +8,24 @@ Same contract as the Triton kernel's few-row path (qerl.quant.triton_fp4.fp4_mat
 along N with their own global scales. `QERL_FP4_CUDA`: "auto" (default) = rows <= AUTO_ROWS on sm_90+ with a
 compiler (else one warning and Triton), "1" = rows <= MAX_ROWS on sm_89+, "0" = Triton only.
 
-Design (BENCHMARKS.md, sessions 6-8; prototype in qerl.bench.cuda_gemv): one 16-row block of W per CTA, or per
-thread-block cluster of S CTAs on Hopper, with the block's K chunks (128 weights) split over its S x W warps; each
-warp runs `mma.sync` m16n8k16 with W as the A operand decoded in registers (qerl.quant.ptx's bit trick) straight
-from 16-byte global loads, the K order permuted so one thread's 32 contiguous weights of a row feed 8 MMAs, x read
-from L1 in the same order as the B operand (two 8-row tiles for M 9..16). Partial tiles are summed in shared
-memory and, across a cluster, through distributed shared memory: no workspace, no atomics, deterministic. Warp 0
-of the block applies 128 / global_scale, bias and the LoRA B product (one more mma per 16 of rank) and stores bf16.
-With `lora_a`, x @ A.T is computed in the same launch: the first blocks of the grid are A's 16-row blocks in K
-slices writing fp32 partials; in each weight block the other warps wait for them with an acquire load and sum them
-in a fixed order into shared memory while warp 0 sums the block's partial tiles, and the last weight block resets
-the flags (CUDA-graph safe). (cluster, warps) come from `model_time`, fitted to an H100 sweep. Under `QERL_PDL`
-(default: while a CUDA graph is captured, sm_90+) launches use programmatic dependent launch: a CTA requests its
-first weight chunk, then waits (griddepcontrol.wait) for the previous kernel before reading x or writing anything.
-Built once per device by NVRTC (libnvrtc and the CUDA headers ship with CUDA builds of torch) or nvcc, launched
-through the driver API on torch's current stream. Outside the envelope (fp16/fp32 x, K % 128, N or segment bounds % 16, more rows) the Triton
-kernel runs.
+Design (few-row Triton launches are bound by on-chip work per weight, not bytes: BENCHMARKS.md, "(a) Kernels"): one
+16-row block of W per CTA, or per thread-block cluster of S CTAs on Hopper, with the block's K chunks (128 weights)
+split over its S x W warps; each warp runs `mma.sync` m16n8k16 with W as the A operand decoded in registers
+(qerl.quant.ptx's bit trick) straight from 16-byte global loads, the K order permuted so one thread's 32 contiguous
+weights of a row feed 8 MMAs, x read from L1 in the same order as the B operand (two 8-row tiles for M 9..16).
+Partial tiles are summed in shared memory and, across a cluster, through distributed shared memory: no workspace, no
+atomics, deterministic. Warp 0 of the block applies 128 / global_scale, bias and the LoRA B product (one more mma
+per 16 of rank) and stores bf16. With `lora_a`, x @ A.T is computed in the same launch: the first blocks of the grid
+are A's 16-row blocks in K slices writing fp32 partials; in each weight block the other warps wait for them with an
+acquire load and sum them in a fixed order into shared memory while warp 0 sums the block's partial tiles, and the
+last weight block resets the flags (CUDA-graph safe). (cluster, warps) come from `model_time`, fitted to an H100
+sweep. Under `QERL_PDL` (default: while a CUDA graph is captured, sm_90+) launches use programmatic dependent
+launch: a CTA requests its first weight chunk, then waits (griddepcontrol.wait) for the previous kernel before
+reading x or writing anything. Built once per device by NVRTC (libnvrtc and the CUDA headers ship with CUDA builds
+of torch) or nvcc, launched through the driver API on torch's current stream. Outside the envelope (fp16/fp32 x,
+K % 128, N or segment bounds % 16, more rows) the Triton kernel runs.
 
-H100, 7B shapes (session 8, `python -m qerl.bench.cuda_gemv --wired --lora-rank 32`, one run): all Linear layers
-of a decoder layer (stacked q|k|v and gate|up) 71.3 / 76.0 us at M = 1 / 8 vs Triton 85.5 / 85.4 and bf16 199.0 /
-200.4 (2.79 / 2.64x bf16); the whole call with bias and LoRA r 32 (x @ A.T included) 82.2 / 92.0 vs Triton 110.0 /
-109.6 us. At 9-16 rows the two-tile kernel lost to Triton on gate|up and down (61 vs 43 us, session 7), so "auto"
-stops at 8.
+Measured (`python -m bench.wired`): BENCHMARKS.md, "Stacked decode layer" and "Few-row CUDA kernel".
 """
 from __future__ import annotations
 
@@ -50,7 +46,7 @@ from qerl.quant.kernels import _fp8_capable
 
 CHUNK = 128  # weights per row per chunk
 MAX_ROWS = 16  # the kernels' limit (two 8-row MMA tiles)
-AUTO_ROWS = 8  # default-on limit: at 9-16 rows the two-tile kernel lost to Triton (session 7)
+AUTO_ROWS = 8  # default-on limit: at 9-16 rows the two-tile kernel lost to Triton (BENCHMARKS.md, "Few-row CUDA")
 MAX_WARPS = 16  # the kernels' __launch_bounds__ (32 x MAX_WARPS threads)
 MAX_FUSED_RANK = 128  # x @ A.T in the same launch up to this LoRA rank (its M x R bf16 tile in shared memory)
 
@@ -114,7 +110,7 @@ __device__ __forceinline__ void grid_dep_launch() {  // the next kernel may star
 }
 
 // chunk c (128 weights per row) of rows g and g + 8 for lane (g, t): 16 B of each row and its two group scales.
-// TILED: W re-laid out as [N / 16][K / 128][16 rows][64 B] (qerl.bench.cuda_gemv).
+// TILED: W re-laid out as [N / 16][K / 128][16 rows][64 B] (a prototype's layout; the kernels below use false).
 template <bool TILED, int NT>
 __device__ __forceinline__ void load_w(Chunk<NT> &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
                                        const uint8_t *sg8, int c, int t) {
@@ -715,9 +711,9 @@ def model_time(n: int, k: int, cluster: int, warps: int, sms: int, ctas_per_sm: 
     busiest SM runs ceil(blocks x cluster / sms) CTAs of `warps` warps, each warp ceil(chunks / (cluster x
     warps)) steps; a step costs max(1 / warps in flight on the SM, step_over_latency) (latency bound below ~12
     warps per SM, bandwidth bound above), plus `wave_cost` per wave of resident CTAs (pipeline fill, reduction,
-    epilogue) and `cluster_cost` more with a cluster barrier. Constants fitted to the H100 sweep of session 7
-    (`python -m qerl.bench.cuda_gemv --wired`: 7B shapes, M = 1 and 8, rms error ~10%; the refit choice was within
-    5% of the best measured configuration for every shape)."""
+    epilogue) and `cluster_cost` more with a cluster barrier. Constants fitted to an H100 sweep of every (cluster,
+    warps) on the 7B shapes at M = 1 and 8 (`python -m bench.wired --warps ...`; fit: BENCHMARKS.md, "Few-row CUDA
+    kernel")."""
     chunks, blocks = k // CHUNK, n // 16
     steps = math.ceil(chunks / (cluster * warps))
     per_sm = math.ceil(blocks * cluster / sms)
@@ -727,7 +723,7 @@ def model_time(n: int, k: int, cluster: int, warps: int, sms: int, ctas_per_sm: 
             + waves * (wave_cost + cluster_cost * (cluster > 1)))
 
 
-MIN_WARPS = 4  # CTAs of 1-2 warps were never the fastest (session 7 sweep: gate|up 54 us with 1 warp, 36 with 4)
+MIN_WARPS = 4  # CTAs of 1-2 warps were never the fastest (BENCHMARKS.md, "Few-row CUDA kernel")
 
 
 def candidate_configs(k: int, clusters: bool) -> list[tuple[int, int]]:

@@ -61,13 +61,6 @@ def dequantize_into(out: torch.Tensor, weight_packed, weight_scale, weight_globa
     return out
 
 
-def dequantize_nvfp4_triton(weight_packed, weight_scale, weight_global_scale, dtype=torch.bfloat16):
-    """The whole dense weight (N, K) in dtype: for merging and tests (the matmuls never call this)."""
-    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
-    out = torch.empty(n, k, dtype=dtype, device=weight_packed.device)
-    return dequantize_into(out, weight_packed, weight_scale, weight_global_scale.reshape(1).float())
-
-
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 

@@ -324,7 +324,7 @@ DENSE_MIN_ROWS = 128
 
 
 def forward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
-    """Fused-kernel tiles per M bucket, from `python -m qerl.bench.kernels --sweep` (H200, then H100): few rows are a
+    """Fused-kernel tiles per M bucket, from `python -m bench.kernels --sweep` (H200, then H100): few rows are a
     bandwidth problem (narrow tiles; split-K to fill every SM, more of it for long reductions)."""
     if M <= 16:
         # 3 stages: 7B down 27.4 -> 25.1 us, gate/up 25.3 -> 24.7, q|k|v 11.2 -> 10.9 at M = 16 against 4 (H100)

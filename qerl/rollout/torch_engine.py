@@ -42,9 +42,8 @@ class TorchEngine(RolloutEngine):
     model's compute dtype on CUDA, None = as they are): rollouts then run LoRA on bf16 tensor cores like vLLM.
     fuse_projections: LoRA layers that read the same input (q/k/v, gate/up) run as one launch during calls
     (qerl.quant.grouped; the model stays trainable as before). "auto": FP4 and dense (peft LoRA over nn.Linear)
-    layers on CUDA, none on CPU; True: both kinds on any device; False: none. Measured on an H100 (7B, batch 8,
-    CUDA graph + torch.compile): bf16 LoRA 849 -> 1,002 tokens/s with its groups; FP4 1,211 -> 1,511 (groups and
-    the one-launch x @ A.T together).
+    layers on CUDA, none on CPU; True: both kinds on any device; False: none. Measured gain: BENCHMARKS.md,
+    "(b) Rollout", engine choices.
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int | None = None, use_cuda_graph="auto",
@@ -493,7 +492,7 @@ def _inference_mode(model):
     `enable_input_require_grads`, peft's fallback: `output.requires_grad_(True)`) are lifted meanwhile: useless
     without autograd, and torch.compile (2.11, the GPU image's) cannot trace them: the graph break, inside a
     transformers context manager, left the model forward uncompiled and each layer compiled on its own, past
-    dynamo's recompile limit (8) the later layers not at all (BENCHMARKS.md, session 9)."""
+    dynamo's recompile limit (8) the later layers not at all (BENCHMARKS.md, "(b) Rollout", engine choices)."""
     modes = [(m, m.training) for m in model.modules()]
     lifted = []
     for m in model.modules():

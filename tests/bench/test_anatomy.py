@@ -1,9 +1,9 @@
-"""qerl.bench.anatomy's report (the timing itself needs a GPU)."""
+"""bench.anatomy's report (the timing itself needs a GPU)."""
 from __future__ import annotations
 
 import pytest
 
-from qerl.bench import anatomy
+from bench import anatomy
 
 
 def test_markdown_floor_and_missing_variants():
@@ -26,7 +26,7 @@ def test_cli_needs_a_gpu(monkeypatch):
 def test_publish_prints_and_writes_the_table(tmp_path, capsys):
     import json
 
-    from qerl.bench.kernels import publish
+    from bench.kernels import publish
 
     publish({"rows": []}, "| a |", tmp_path / "r.json")
     assert "| a |" in capsys.readouterr().out

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from qerl.bench.aqn_entropy import rollout_entropy
+from bench.aqn_entropy import rollout_entropy
 from qerl.rollout import SamplingParams
 from qerl.rollout.torch_engine import TorchEngine
 

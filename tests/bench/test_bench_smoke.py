@@ -1,4 +1,4 @@
-"""CPU smoke test of the end-to-end benchmark (qerl.bench.e2e) on a tiny random Qwen2.5-shaped model.
+"""CPU smoke test of the end-to-end benchmark (bench.e2e) on a tiny random Qwen2.5-shaped model.
 
 Runs every code path the GPU run takes (random FP4/dense model build, LoRA, TorchEngine rollouts, one GRPO step
 through GRPOTrainer, one update for the memory figure, HF generate, floors, table, atomic JSON), checking the
@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from qerl.bench import e2e, e2e_report
-from qerl.bench.random_models import build_random_model, decode_weight_bytes, kv_bytes_per_step, qwen25_config
+from bench import e2e, e2e_report
+from bench.random_models import build_random_model, decode_weight_bytes, kv_bytes_per_step, qwen25_config
 from qerl.errors import QerlError
 from qerl.quant import cuda_fp4
 from qerl.quant.linear import FP4Linear
@@ -65,7 +65,7 @@ def test_worker_gets_the_same_options(tmp_path):
     """A worker subprocess parses back exactly the parent's options (flags included, worker fields added)."""
     args = e2e._parse(["--out-dir", str(tmp_path), *TINY[:-1], "--batches", "8,64"])
     argv = e2e._worker_argv(args, "speed", "tiny:fp4", tmp_path / "w.json")
-    assert argv[1:3] == ["-m", "qerl.bench.e2e"]
+    assert argv[1:3] == ["-m", "bench.e2e"]
     back, sent = vars(e2e._parse(argv[3:])), vars(args)
     worker = ("worker", "worker_spec", "worker_out")
     assert [back.pop(k) for k in worker] == ["speed", "tiny:fp4", str(tmp_path / "w.json")]

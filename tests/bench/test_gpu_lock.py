@@ -1,4 +1,4 @@
-"""qerl.bench.gpu_lock: exclusive holders run alone, shared ones together, and a waiting writer goes first.
+"""bench.gpu_lock: exclusive holders run alone, shared ones together, and a waiting writer goes first.
 
 Each process of a scenario waits for events of the others before it asks for the lock, so the order of the
 requests is fixed whatever the machine's load; what is tested is the order in which the lock lets them in."""
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from qerl.bench.gpu_lock import GpuLock
+from bench.gpu_lock import GpuLock
 
 CTX = mp.get_context("fork")  # the lock module needs no CUDA: fork is safe here
 SETTLE = 0.3  # s for a process that announced its request to be blocked inside flock

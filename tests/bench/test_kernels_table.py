@@ -1,4 +1,4 @@
-"""qerl.bench.kernels: which forward kernel a row ran, in the table; the environment helper."""
+"""bench.kernels: which forward kernel a row ran, in the table; the environment helper."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from qerl.bench import kernels
+from bench import kernels
 
 
 def test_kernel_names_follow_the_dispatch():

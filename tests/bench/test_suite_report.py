@@ -1,8 +1,8 @@
-"""qerl.bench.suite_report: the targets of issue 7 from a suite payload, by hand-made figures."""
+"""bench.suite_report: the targets of BENCHMARKS.md from a suite payload, by hand-made figures."""
 from __future__ import annotations
 
-from qerl.bench import suite_report
-from qerl.bench.suite_report import GIB, targets
+from bench import suite_report
+from bench.suite_report import GIB, targets
 
 
 def _totals(model, m, fwd, bwd):
@@ -81,7 +81,7 @@ def test_suite_runs_every_part_under_one_lock_and_reports_targets(tokenizer_dir,
     its targets 'not measured'), the end-to-end part runs its workers as subprocesses sharing the GPU lock."""
     import json
 
-    from qerl.bench import suite
+    from bench import suite
 
     tiny = ("--speed-size tiny --batches 2 --prompts 2 --group 2 --prompt-len 8 --new-tokens 3 "
             "--step-completion 3 --memory-completion 5 --micro-batch 2 --lora-r 4")
@@ -98,4 +98,4 @@ def test_suite_runs_every_part_under_one_lock_and_reports_targets(tokenizer_dir,
     assert rows["(c) GRPO step >= 1.5x bf16"] in ("met", "missed")  # measured, whatever the CPU gives
     assert rows["(d) 32B FP4 GRPO update fits 75 GiB"] == "not measured"  # not asked for (and no CPU peaks)
     out = capsys.readouterr().out
-    assert "## Targets of issue 7" in out and "(b) Rollout" in out
+    assert "## Targets" in out and "(b) Rollout" in out

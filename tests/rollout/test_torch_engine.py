@@ -398,7 +398,7 @@ def test_cuda_graph_runs_fp4_lora_model(tmp_path, tokenizer_dir, prompts):
 def test_bench_writes_json_with_equal_work_per_engine(tiny_model_dir, tmp_path):
     import json
 
-    from qerl.bench.rollout import main
+    from bench.rollout import main
 
     out = tmp_path / "bench" / "rollout.json"
     assert main(["--model", str(tiny_model_dir), "--batch", "2", "--n", "2", "--prompt-len", "5",
@@ -433,7 +433,7 @@ def _graph_breaks_of_a_compiled_decode(tokenizer_dir, device: str, rows: int) ->
     from torch._dynamo.utils import counters
     from transformers import AutoTokenizer
 
-    from qerl.bench.random_models import attach_lora, build_random_model, qwen25_config
+    from bench.random_models import attach_lora, build_random_model, qwen25_config
     from qerl.fused_elementwise import fuse_elementwise
 
     config = qwen25_config("7B", hidden_size=128 if device == "cpu" else 256, intermediate_size=256,

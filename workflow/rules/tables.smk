@@ -1,4 +1,5 @@
 # The paper's tables and training plots from every experiment that has finished (missing ones stay missing).
+TABLES = str(Path(RESULTS, "tables"))  # beside the experiments, wherever the config's results_dir puts them
 
 
 def finished_evals(wildcards):
@@ -10,21 +11,21 @@ rule tables:
         finished_evals,
     output:
         report(
-            multiext("results/tables/table1", ".md", ".csv"),
+            multiext(f"{TABLES}/table1", ".md", ".csv"),
             category="Tables",
             subcategory="Table 1 (GSM8K)",
         ),
         report(
-            multiext("results/tables/table2", ".md", ".csv"),
+            multiext(f"{TABLES}/table2", ".md", ".csv"),
             category="Tables",
             subcategory="Table 2 (MATH-500, AIME, AMC)",
         ),
         report(
-            multiext("results/tables/table3", ".md", ".csv"),
+            multiext(f"{TABLES}/table3", ".md", ".csv"),
             category="Tables",
             subcategory="Table 3 (speed, size)",
         ),
-        report("results/tables/training_curves.png", category="Plots"),
+        report(f"{TABLES}/training_curves.png", category="Plots"),
     params:
         experiments=experiments_json,
     log:
@@ -34,4 +35,4 @@ rule tables:
         runtime=10,
     shell:
         "{PYTHON:q} -m qerl.tables --config-json {params.experiments:q} --results-dir {RESULTS:q}"
-        " --out-dir results/tables > {log:q} 2>&1"
+        " --out-dir {TABLES:q} > {log:q} 2>&1"

@@ -1,4 +1,4 @@
-"""The targets of issue 7, met or missed, from one `qerl.bench.suite` run (pure arithmetic on its JSON).
+"""The targets of BENCHMARKS.md, met or missed, from one `bench.suite` run (pure arithmetic on its JSON).
 
 (a) kernels: per decoder layer (q, k, v, o, gate, up, down as separate launches), forward >= 3.0x bf16 at
     M <= 64 (and the engine's stacked decode layer, q|k|v + o + gate|up + down, at its rows), >= 1.8x at
@@ -96,9 +96,9 @@ def targets_markdown(rows: list[dict]) -> str:
 
 def report(payload: dict) -> str:
     """Every table of the run (kernels, stacked decode layer, e2e) and then the targets."""
-    from qerl.bench.cuda_gemv import wired_markdown
-    from qerl.bench.e2e_report import markdown as e2e_markdown
-    from qerl.bench.kernels import markdown as kernels_markdown
+    from bench.wired import wired_markdown
+    from bench.e2e_report import markdown as e2e_markdown
+    from bench.kernels import markdown as kernels_markdown
 
     parts = []
     for name, part, render in (("(a) Kernels", payload.get("kernels"), kernels_markdown),
@@ -112,5 +112,5 @@ def report(payload: dict) -> str:
             parts.append(f"incomplete ({type(exc).__name__}: {exc})")
         parts.append("")
     runs = ", ".join(f"{k} {v.get('seconds', '-')} s (rc {v.get('rc')})" for k, v in payload.get("runs", {}).items())
-    return "\n".join(parts + ["## Targets of issue 7", "", targets_markdown(payload["targets"]), "",
+    return "\n".join(parts + ["## Targets", "", targets_markdown(payload["targets"]), "",
                               f"Parts: {runs}."])

@@ -1,4 +1,4 @@
-"""The two measurements of `qerl.bench.e2e`, each meant to run in its own process (clean allocator, own peak).
+"""The two measurements of `bench.e2e`, each meant to run in its own process (clean allocator, own peak).
 
 speed_worker: one random Qwen2.5 model (FP4 + LoRA or bf16 + LoRA, gradient checkpointing on), then
   (b) TorchEngine rollout tokens/s at each batch, (c) one GRPO step through qerl.trainer.GRPOTrainer
@@ -7,7 +7,7 @@ memory_worker: (d) peak allocated memory of GRPO updates (forward + backward wit
   AdamW step) on one micro-batch, the model's own memory included: the larger peak of two updates (the
   second holds AdamW's moments from the start, as every update of a run does).
 Both return plain dicts (JSON-ready); timings are host clocks around synchronized GPU work (whole rollouts and
-steps, seconds long, so event timing adds nothing). With --gpu-lock (qerl.bench.gpu_lock) the set-up work (model,
+steps, seconds long, so event timing adds nothing). With --gpu-lock (bench.gpu_lock) the set-up work (model,
 compilation, graph capture, warm-up update) runs beside other workers and every timed part runs alone on the GPU.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from qerl.bench.gpu_lock import GpuLock
-from qerl.bench.random_models import attach_lora, build_random_model, decode_weight_bytes, qwen25_config
+from bench.gpu_lock import GpuLock
+from bench.random_models import attach_lora, build_random_model, decode_weight_bytes, qwen25_config
 
 
 def _sync() -> None:
@@ -64,7 +64,8 @@ def make_trainer(model, tokenizer, prompts, *, fp4: bool, num_generations: int, 
     from qerl.config import TrainConfig
     from qerl.trainer import GRPOTrainer
 
-    cfg = TrainConfig(mode="qlora_fp4" if fp4 else "lora", data={"source": "bench"}, rewards=["random"],
+    cfg = TrainConfig(mode="qlora_fp4" if fp4 else "lora", data={"source": "bench"},
+                      rewards=["bench.e2e_workers:_random_reward"],  # the name the config accepts; passed below
                       num_generations=num_generations, batch_size=len(prompts), micro_batch_size=micro_batch_size,
                       max_steps=4, max_completion_length=completion_len, gradient_checkpointing=True, aqn=None,
                       offload_activations=offload, mlp_chunks=mlp_chunks, fused_elementwise=fused_elementwise,

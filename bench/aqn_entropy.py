@@ -1,6 +1,6 @@
 """Does AQN raise the rollout policy's entropy? Mean token entropy of sampled rollouts per noise level.
 
-    python -m qerl.bench.aqn_entropy --model results/demo/quantized --data resources/demo_task/train.jsonl \
+    python -m bench.aqn_entropy --model results/demo/quantized --data resources/demo_task/train.jsonl \
         --template answer_line --sigmas 0 1e-2 5e-2 --seeds 0 1 2 --out results/bench/aqn_entropy.json
 
 For each sigma and seed: fresh AQN noise on the RMSNorm scales, sample n completions per prompt with the torch
@@ -40,7 +40,7 @@ def rollout_entropy(model, tokenizer, prompts: list[list[int]], *, sigma: float,
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m qerl.bench.aqn_entropy", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.aqn_entropy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)

@@ -1,7 +1,7 @@
 """Decode attention on one GPU: the fused Triton kernel (`qerl::gqa_decode`) against the batched-matmul path, per
 layer of Qwen2.5 7B shapes (28 query / 4 KV heads of 128), over a static cache of which only a prefix is filled.
 
-    python -m qerl.bench.attention --out results/bench/attention.json
+    python -m bench.attention --out results/bench/attention.json
 
 Floor = the filled part of K and V (both paths must read it) over the measured copy bandwidth. Both paths run
 eagerly here; inside TorchEngine the matmul path is torch.compile'd (fused), which is why the engine only takes
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from qerl.bench.kernels import _environment, env_var, graph_time_us, measure_ceilings, write_json
+from bench.kernels import _environment, env_var, graph_time_us, measure_ceilings, write_json
 
 CASES = [  # (rows, static cache length, filled positions per row)
     (8, 1280, 768), (64, 1280, 768), (8, 2304, 1536), (64, 2304, 1536), (64, 2304, 300),
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("results/bench/attention.json"))
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("qerl.bench.attention needs a CUDA GPU")
+        raise SystemExit("bench.attention needs a CUDA GPU")
     result = run()
     write_json(a.out, result)
     print(f"wrote {a.out}")

@@ -1,13 +1,13 @@
-"""Every benchmark of issue 7 in one run, on one GPU, inside a time budget: (a) kernels, (b) rollout, (c) GRPO
-step, (d) peak memory, then the targets, met or missed.
+"""Every benchmark of BENCHMARKS.md's targets in one run, on one GPU, inside a time budget: (a) kernels, (b) rollout,
+(c) GRPO step, (d) peak memory, then the targets, met or missed.
 
-    python -m qerl.bench.suite --tokenizer <qwen2.5 tokenizer dir> --out-dir results/bench   # 8-9 min on an H100
+    python -m bench.suite --tokenizer ../shared/tokenizers/qwen2.5 --out-dir results/bench   # repo root; 8-9 min, H100
 
-Three processes share the GPU through one `qerl.bench.gpu_lock.GpuLock`: this one holds it exclusively while the
-kernel table (`qerl.bench.kernels`) and then the engine's stacked decode layer (`qerl.bench.cuda_gemv --wired`)
-run in subprocesses, and `qerl.bench.e2e` (its own workers: FP4 and bf16 side by side, the memory workers beside
+Three processes share the GPU through one `bench.gpu_lock.GpuLock`: this one holds it exclusively while the
+kernel table (`bench.kernels`) and then the engine's stacked decode layer (`bench.wired`)
+run in subprocesses, and `bench.e2e` (its own workers: FP4 and bf16 side by side, the memory workers beside
 them one at a time) does its set-up while it can and takes the lock for every timed part. transformers' generate
-baseline is left out (--hf-tokens 0; `qerl.bench.e2e` runs it by default). So no figure is taken while other work runs,
+baseline is left out (--hf-tokens 0; `bench.e2e` runs it by default). So no figure is taken while other work runs,
 and the compilation and warm-up of one model overlap those of the other. Each part writes its own JSON as it goes
 (a part stopped at the budget keeps what it measured); this process writes suite.json (all of it plus the targets)
 and prints every table.
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from qerl.bench.gpu_lock import GpuLock
-from qerl.bench.kernels import write_json
+from bench.gpu_lock import GpuLock
+from bench.kernels import write_json
 from qerl.errors import QerlError
 
 GIB = 2**30
@@ -41,9 +41,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--kernel-models", default="7B,32B")
     p.add_argument("--kernel-rows", default="1,16,64,256,2048")
     p.add_argument("--wired-rows", default="1,8", help="rows of the engine's stacked decode layer ('' to skip)")
-    p.add_argument("--memory", default=MEMORY_SPECS, help="(d) memory workers, see qerl.bench.e2e --memory")
+    p.add_argument("--memory", default=MEMORY_SPECS, help="(d) memory workers, see bench.e2e --memory")
     p.add_argument("--memory-jobs", type=int, default=1)
-    p.add_argument("--e2e-args", default="", help="more options for qerl.bench.e2e, as one string")
+    p.add_argument("--e2e-args", default="", help="more options for bench.e2e, as one string")
     return p.parse_args(argv)
 
 
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     lock_path = parts / "gpu.lock"
     t0 = time.perf_counter()
     deadline = t0 + args.budget_s
-    e2e_cmd = _python("qerl.bench.e2e", "--out-dir", str(parts), "--parts-dir", str(parts / "e2e_workers"),
+    e2e_cmd = _python("bench.e2e", "--out-dir", str(parts), "--parts-dir", str(parts / "e2e_workers"),
                       "--out-name", "e2e.json", "--tokenizer", args.tokenizer, "--gpu-lock", str(lock_path),
                       "--budget-s", str(max(1.0, args.budget_s - 20)), "--timeout-s", str(args.budget_s),
                       "--hf-tokens", "0", "--memory", args.memory, "--memory-jobs", str(args.memory_jobs),
@@ -93,12 +93,12 @@ def main(argv=None) -> int:
     e2e = subprocess.Popen(e2e_cmd, stdout=e2e_log, stderr=subprocess.STDOUT)
     lock = GpuLock(lock_path)
     runs = {"kernels": _run_exclusive(lock, _python(
-        "qerl.bench.kernels", "--models", args.kernel_models, "--rows", args.kernel_rows, "--no-naive",
+        "bench.kernels", "--models", args.kernel_models, "--rows", args.kernel_rows, "--no-naive",
         "--out", str(parts / "kernels.json")), deadline, parts / "kernels.log")}
     print(f"[suite] kernels: {runs['kernels']}", flush=True)
     if args.wired_rows:
         runs["wired"] = _run_exclusive(lock, _python(
-            "qerl.bench.cuda_gemv", "--wired", "--models", "7B", "--rows", args.wired_rows, "--lora-rank", "32",
+            "bench.wired", "--models", "7B", "--rows", args.wired_rows, "--lora-rank", "32",
             "--out", str(parts / "wired.json")), deadline, parts / "wired.log")
         print(f"[suite] wired: {runs['wired']}", flush=True)
     try:
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     e2e_log.close()
     runs["e2e"] = {"cmd": e2e_cmd, "rc": rc, "seconds": round(time.perf_counter() - t0, 1),
                    "log": str(parts / "e2e.log")}
-    from qerl.bench.suite_report import report, targets
+    from bench.suite_report import report, targets
 
     payload = {"budget_s": args.budget_s, "runs": runs, "kernels": _read(parts / "kernels.json"),
                "wired": _read(parts / "wired.json"), "e2e": _read(parts / "e2e.json")}

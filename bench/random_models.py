@@ -1,6 +1,6 @@
 """Random-weight Qwen2.5 models of the real shapes, built directly on the target device, for speed/memory benches.
 
-    from qerl.bench.random_models import build_random_model, attach_lora
+    from bench.random_models import build_random_model, attach_lora
     model = build_random_model("7B", fp4=True, device="cuda", dtype=torch.bfloat16)   # no bf16 copy ever exists
     model = attach_lora(model, r=32, alpha=64, fp4=True, gradient_checkpointing=True)
 

@@ -1,7 +1,7 @@
 """Kernel benchmark: NVFP4 Triton matmuls vs bf16 cuBLAS and a naive dequantize-then-matmul, per Qwen2.5 shape.
 
-    python -m qerl.bench.kernels --out results/bench/kernels.json [--models 7B,14B,32B] [--rows 1,16,64,256,2048]
-    python -m qerl.bench.kernels --sweep --out results/bench/kernel_sweep.json   # tile configs on the 7B shapes
+    python -m bench.kernels --out results/bench/kernels.json [--models 7B,14B,32B] [--rows 1,16,64,256,2048]
+    python -m bench.kernels --sweep --out results/bench/kernel_sweep.json   # tile configs on the 7B shapes
 
 One run measures the device's own ceilings first (a large device-to-device copy; an 8192^3 bf16 matmul), then for
 every Linear shape and row count M: bf16 `torch.matmul`, the naive path (dequantize_nvfp4 to bf16, then matmul),
@@ -252,7 +252,7 @@ def run(models: list[str], rows_m: list[int], naive: bool, on_row=None) -> dict:
 # Candidate tiles per row bucket: (bm, bn, bk, warps, stages, maxnreg[, swap_ab]); split-K: none, 2 and 6 programs
 # per SM. "dense" = chunked dequantize + cuBLAS (qerl.quant.triton_dequant). The swap_ab tiles (W as the MMA's A
 # operand) had 4.8-5.2 SASS instructions per weight against 5.8 for the few-row tile (sm_90 cubin, with the lookup-
-# table decode of session 5; the table-free decode takes that tile to 5.5); from 4 warps they run on Hopper's wgmma
+# table decode since replaced; the table-free decode takes that tile to 5.5); from 4 warps they run on Hopper's wgmma
 # with the dequantized W straight from registers (unswapped: W goes through smem). The first M <= 16 entry is the
 # shipped default (forward_config), the second its 4-stage predecessor.
 SWEEP_FWD = {
@@ -356,11 +356,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="7B,14B,32B")
     p.add_argument("--rows", default="1,16,64,256,2048")
     p.add_argument("--no-naive", action="store_true", help="skip the (slow) dequantize-then-matmul baseline")
-    p.add_argument("--sweep", action="store_true", help="time candidate tile configs instead (qerl.bench.sweep)")
+    p.add_argument("--sweep", action="store_true", help="time candidate tile configs instead (SWEEP_FWD / SWEEP_BWD)")
     p.add_argument("--kinds", default="fwd,bwd", help="--sweep: fwd (x @ W.T), bwd (grad_out @ W) or both")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("qerl.bench.kernels needs a CUDA GPU")
+        raise SystemExit("bench.kernels needs a CUDA GPU")
     rows_m = [int(v) for v in a.rows.split(",")]
     if a.sweep:
         result = {**_environment(), "sweep": sweep(rows_m, tuple(a.kinds.split(",")))}

@@ -1,8 +1,8 @@
 """End-to-end GPU benchmark: rollout tokens/s, one GRPO step and peak training memory, FP4 vs bf16 LoRA.
 
-    python -m qerl.bench.e2e --out-dir results/bench          # on a CUDA machine, PYTHONPATH=. is enough
+    python -m bench.e2e --out-dir results/bench          # on a CUDA machine, from the repository root
 
-Random weights of the real Qwen2.5 shapes (qerl.bench.random_models; FP4 models never hold a bf16 copy):
+Random weights of the real Qwen2.5 shapes (bench.random_models; FP4 models never hold a bf16 copy):
   (b) TorchEngine rollout, 7B, batches 8 and 64, 256 prompt + 1024 new tokens, FP4 vs bf16 (+ HF generate);
   (c) one GRPO step (8 prompts x G = 8) through qerl.trainer.GRPOTrainer with gradient checkpointing;
   (d) peak allocated memory of one GRPO update (micro-batch 8 x (256 + 2048) tokens), 7B/14B/32B FP4, 7B bf16.
@@ -10,7 +10,7 @@ Every model runs in its own subprocess (own allocator peak, a crash or timeout l
 bandwidth and bf16 matmul rate are measured first and give each figure's floor. Writes e2e.json atomically
 under --out-dir and prints a Markdown table.
 
---gpu-lock PATH (qerl.bench.gpu_lock; `python -m qerl.bench.suite` passes one): the speed workers run at the same
+--gpu-lock PATH (bench.gpu_lock; `python -m bench.suite` passes one): the speed workers run at the same
 time, their set-up (weights, compilation, graph capture, warm-up update) side by side and each timed part alone on
 the GPU; the memory workers run beside them, --memory-jobs at a time, in the order given (largest first keeps the
 GPU's memory for the speed workers' later, larger parts). --budget-s: every worker is stopped by then, and the
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from qerl.bench.e2e_workers import memory_worker, speed_worker
-from qerl.bench.gpu_lock import GpuLock
-from qerl.bench.e2e_report import add_floors, markdown
-from qerl.bench.kernels import write_json
+from bench.e2e_workers import memory_worker, speed_worker
+from bench.gpu_lock import GpuLock
+from bench.e2e_report import add_floors, markdown
+from bench.kernels import write_json
 from qerl.errors import QerlError
 
 
@@ -95,7 +95,7 @@ def _parse(argv=None) -> argparse.Namespace:
 def _worker_argv(args, kind: str, spec: str, out: Path) -> list[str]:
     """This process's options, forwarded to a worker subprocess."""
     keep = {k: v for k, v in vars(args).items() if k not in ("worker", "worker_spec", "worker_out", "in_process")}
-    argv = [sys.executable, "-m", "qerl.bench.e2e"]
+    argv = [sys.executable, "-m", "bench.e2e"]
     for key, value in keep.items():
         if value is None or value is False:
             continue
@@ -163,7 +163,7 @@ def _environment(device: str, lock: GpuLock) -> dict:
     env = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
            "python": platform.python_version()}
     if device == "cuda":
-        from qerl.bench.kernels import measure_ceilings
+        from bench.kernels import measure_ceilings
 
         props = torch.cuda.get_device_properties(0)
         with lock.exclusive():

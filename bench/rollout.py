@@ -1,6 +1,6 @@
 """Rollout throughput: the torch engine vs transformers' generate on the same model and prompts.
 
-    python -m qerl.bench.rollout --model resources/smollm2-135m-instruct --batch 8 --n 8 \
+    python -m bench.rollout --model resources/smollm2-135m-instruct --batch 8 --n 8 \
         --prompt-len 64 --new-tokens 64 --out results/bench/rollout.json
 
 Both engines sample (temperature 1, no top-k/top-p, the RL setting) len(prompts) * n rows of exactly

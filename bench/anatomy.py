@@ -1,6 +1,6 @@
 """Where the few-row FP4 forward kernel's time goes: the same launch (grid, tiles, pipeline) with parts taken out.
 
-    python -m qerl.bench.anatomy --out results/bench/kernel_anatomy.json [--shapes 18944x3584,3584x18944] [--rows 1,16]
+    python -m bench.anatomy --out results/bench/kernel_anatomy.json [--shapes 18944x3584,3584x18944] [--rows 1,16]
 
 Variants of `qerl.quant.triton_fp4._fp4_mm_kernel` (default config of each shape), each in its own process because
 Triton caches a kernel per process with the helpers it was first compiled with:
@@ -10,7 +10,7 @@ Triton caches a kernel per process with the helpers it was first compiled with:
   no_w_cheap   neither weight loads nor the decode: x loads, tensor-core dots and the loop remain;
   skeleton     also no x loads: only the dots, layout changes and the loop.
 Results are wrong on purpose in all but `full` (timing only). Each time is a CUDA graph over rotated weight copies
-(qerl.bench.kernels.graph_time_us); the floor is the packed weight bytes over the copy bandwidth measured in the
+(bench.kernels.graph_time_us); the floor is the packed weight bytes over the copy bandwidth measured in the
 same run. Prints a Markdown table, writes the JSON atomically.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _patch(variant: str) -> None:
 
 
 def _worker(variant: str, shapes: list[tuple[int, int]], rows: list[int]) -> list[dict]:
-    from qerl.bench.kernels import _copies, _fp4_weights, graph_time_us
+    from bench.kernels import _copies, _fp4_weights, graph_time_us
     from qerl.quant import triton_fp4 as tf
 
     _patch(variant)
@@ -95,13 +95,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("qerl.bench.anatomy needs a CUDA GPU")
+        raise SystemExit("bench.anatomy needs a CUDA GPU")
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
     rows = [int(v) for v in a.rows.split(",") if v]
     if a.worker:
         print(json.dumps(_worker(a.worker, shapes, rows)))
         return
-    from qerl.bench.kernels import _environment, measure_ceilings, publish
+    from bench.kernels import _environment, measure_ceilings, publish
 
     variants = [v for v in a.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     result = {**_environment(), "ceilings": measure_ceilings(), "rows": []}
     for v in variants:
-        proc = subprocess.run([sys.executable, "-m", "qerl.bench.anatomy", "--worker", v, "--shapes", a.shapes,
+        proc = subprocess.run([sys.executable, "-m", "bench.anatomy", "--worker", v, "--shapes", a.shapes,
                                "--rows", a.rows], capture_output=True, text=True, check=False)
         if proc.returncode:
             raise SystemExit(f"variant {v} failed: {proc.stderr.strip().splitlines()[-1:]}")

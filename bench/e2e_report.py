@@ -1,4 +1,4 @@
-"""Floors and the Markdown table of `qerl.bench.e2e` (pure arithmetic on its JSON, testable anywhere).
+"""Floors and the Markdown table of `bench.e2e` (pure arithmetic on its JSON, testable anywhere).
 
 Floors use the ceilings measured in the same run (device-to-device copy bandwidth, dense bf16 matmul rate):
   rollout, weights: one decode step must read every weight once -> rows / (weight bytes / bandwidth) tokens/s;
@@ -20,14 +20,14 @@ def _cache_len(prompt_len: int, new_tokens: int) -> int:
 
 
 def _kv_bytes(size: str, rows: int, cache_len: int) -> int:
-    from qerl.bench.random_models import kv_bytes_per_step, qwen25_config
+    from bench.random_models import kv_bytes_per_step, qwen25_config
 
     return kv_bytes_per_step(qwen25_config(size), rows, cache_len)
 
 
 def update_flops(size: str, rows: int, prompt_len: int, completion_len: int) -> float:
     """Matmul FLOPs of one GRPO update with gradient checkpointing over a frozen base (LoRA's are negligible)."""
-    from qerl.bench.random_models import qwen25_config
+    from bench.random_models import qwen25_config
 
     c = qwen25_config(size)
     head_dim = c.hidden_size // c.num_attention_heads
