@@ -1,26 +1,43 @@
 """MLflow tracking: the only module that imports mlflow.
 
 One MLflow run per stage and experiment, named "<experiment>/<stage>", tagged qerl.experiment, qerl.stage,
-qerl.git_commit and qerl.upstream_run_id (the run of the stage that produced this stage's input), all in one
+qerl.git_commit, qerl.upstream_run_id (the run of the stage that produced this stage's input) and qerl.host,
+qerl.pid, qerl.pid_start (the process, so a later run can tell a dead run from a live one), all in one
 MLflow experiment so `mlflow.search_runs(filter_string="tags.`qerl.experiment` = 'demo'")` lists a pipeline.
 Default store: sqlite:///<results>/mlflow.db with artifacts under <results>/mlartifacts; MLFLOW_TRACKING_URI
 (e.g. a shared `mlflow server`) overrides it. Each stage writes `<results>/<experiment>/runs/<stage>.json`
 ({run_id, tracking_uri, experiment_id}) next to its output; the next stage reads it to link the runs.
+
+A sqlite store is created and migrated by one process at a time (an flock on `.<db>.lock` beside it), in a
+temporary file renamed into place, so parallel stages or a Ctrl-C never leave a half-migrated store; the
+Snakefile creates it before any job with `python -m qerl.tracking init --results-dir results`.
+When a stage run starts, earlier runs of the same experiment and stage still RUNNING are marked KILLED if their
+process is dead: a dead pid of this host, or any process of another host (Snakemake runs one job per output, so
+a second run of the same stage elsewhere is a dead one; if it was alive after all, its end sets its true status).
+Credentials in the tracking URI never reach a message or a run file (`http://user:***@host`).
 """
 from __future__ import annotations
 
+import argparse
+import base64
+import fcntl
 import json
 import os
+import re
+import socket
+import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from qerl.errors import QerlError
-from qerl.io import atomic_write_text
+from qerl.io import atomic_file, atomic_write_text, owner_tag, process_alive
 
 EXPERIMENT_NAME = "qerl"
 
@@ -44,17 +61,85 @@ def _use_uri(mlflow, uri: str) -> None:
         os.environ["MLFLOW_TRACKING_URI"] = before
 
 
+def redact_uri(uri: str) -> str:
+    """The URI with its password (and password/token query values) replaced by ***; the rest as written."""
+    parts = urlsplit(uri)
+    if parts.password is not None:
+        uri = uri.replace(parts.netloc, f"{parts.username}:***@{parts.netloc.rsplit('@', 1)[1]}", 1)
+    head, sep, query = uri.partition("?")
+    return head + sep + re.sub(r"(?i)\b((?:password|passwd|token|secret)=)[^&]*", r"\1***", query)
+
+
+def redact(text: str, uri: str) -> str:
+    """`text` with every form of the URI's secrets (raw and percent-decoded) masked."""
+    password = urlsplit(uri).password
+    text = text.replace(uri, redact_uri(uri))
+    for secret in {password, unquote(password or "")} - {None, ""}:
+        text = text.replace(secret, "***")
+    return text
+
+
+@contextmanager
+def _secrets_masked(uri: str) -> Iterator[None]:
+    """MLflow's own errors quote the tracking URI: re-raise one whose text holds a secret as one redacted line."""
+    try:
+        yield
+    except QerlError:
+        raise
+    except Exception as err:
+        text = f"{type(err).__name__}: {err}"
+        if redact(text, uri) == text:
+            raise
+        line = " ".join(redact(text, uri).split())[:500]
+        raise QerlError(f"MLflow at {redact_uri(uri)} failed: {line}") from None
+
+
+def _health_request(uri: str) -> urllib.request.Request:
+    """GET <uri>/health with the credentials MLflow itself would send: the URI's user:password, else
+    MLFLOW_TRACKING_USERNAME/PASSWORD (or ~/.mlflow/credentials), else MLFLOW_TRACKING_TOKEN."""
+    parts = urlsplit(uri)
+    url = urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path.rstrip("/") + "/health", "", ""))
+    req = urllib.request.Request(url)
+    user, password = unquote(parts.username or ""), unquote(parts.password or "")
+    if not (user and password):
+        from mlflow.utils.credentials import read_mlflow_creds
+
+        creds = read_mlflow_creds()
+        user, password = creds.username or "", creds.password or ""
+    if user and password:
+        req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
+    elif os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        req.add_header("Authorization", f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}")
+    return req
+
+
+def _tls_context() -> ssl.SSLContext | None:
+    """MLflow's own TLS settings, so the check accepts what the stage's MLflow client will accept."""
+    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("true", "1"):
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        return ctx
+    cafile = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH")
+    return ssl.create_default_context(cafile=cafile) if cafile else None
+
+
 def check_tracking_server(uri: str, timeout: float = 5.0) -> None:
-    """Fail in seconds, before expensive work, when an http(s) tracking server does not answer."""
+    """Fail in seconds, before expensive work, when an http(s) tracking server does not answer or refuses us."""
     if not uri.startswith(("http://", "https://")):
         return
+    shown = redact_uri(uri)
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
+        with urllib.request.urlopen(_health_request(uri), timeout=timeout, context=_tls_context()) as resp:
             if resp.status != 200:
-                raise QerlError(f"MLflow server {uri} answered /health with HTTP {resp.status}")
-    except (urllib.error.URLError, OSError) as err:
-        reason = getattr(err, "reason", err)
-        raise QerlError(f"MLflow tracking server {uri} is unreachable ({reason}); start it or unset "
+                raise QerlError(f"MLflow server {shown} answered /health with HTTP {resp.status}")
+    except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            raise QerlError(f"MLflow server {shown} refused the credentials (HTTP {err.code} on /health); check "
+                            "the user:password in MLFLOW_TRACKING_URI or MLFLOW_TRACKING_USERNAME/PASSWORD") from None
+        raise QerlError(f"MLflow server {shown} answered /health with HTTP {err.code}") from None
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = redact(str(getattr(err, "reason", err)), uri)
+        raise QerlError(f"MLflow tracking server {shown} is unreachable ({reason}); start it or unset "
                         "MLFLOW_TRACKING_URI") from None
 
 
@@ -78,17 +163,119 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite:/// URI (None for any other store, or an in-memory one)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = unquote(uri[len("sqlite:///"):].split("?", 1)[0])
+    return Path(path) if path and path != ":memory:" else None
+
+
+@contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """Hold an exclusive flock beside a sqlite store (released by the kernel even if this process dies);
+    servers and database servers serialise their own clients, so other URIs take no lock."""
+    db = _sqlite_path(uri)
+    if db is None:
+        yield
+        return
+    lock = db.parent / f".{db.name}.lock"
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(lock, "a")
+    except OSError as err:
+        if db.is_file() and db.stat().st_size:  # a read-only copy of a finished store: nothing to create
+            yield
+            return
+        raise QerlError(f"{lock}: cannot create the MLflow store's lock ({err.strerror})") from None
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def _create_sqlite_store(db: Path, artifact_root: str) -> None:
+    """Create and migrate a fresh store in a temporary file, then rename it into place: a store killed while
+    migrating (which takes seconds) is a stale temporary, never a half-migrated mlflow.db."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    with atomic_file(db) as tmp:
+        tmp_uri = f"sqlite:///{tmp}"
+        store = SqlAlchemyStore(tmp_uri, artifact_root)
+        store.engine.dispose()
+        getattr(SqlAlchemyStore, "_engine_map", {}).pop(tmp_uri, None)  # the engine cache would keep it open
+
+
+def _artifact_root(results_dir: Path) -> str | None:
+    if os.environ.get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_ARTIFACT_ROOT"):
+        return None
+    return (results_dir.resolve() / "mlartifacts").as_uri()
+
+
+def _open_store(mlflow, uri: str, results_dir: Path) -> None:
+    """Point mlflow at the store, creating a missing (or empty) sqlite file first; call under _store_lock."""
+    db = _sqlite_path(uri)
+    if db is not None and (not db.exists() or db.stat().st_size == 0):
+        _create_sqlite_store(db, _artifact_root(results_dir) or (db.parent.resolve() / "mlartifacts").as_uri())
+    _use_uri(mlflow, uri)
+    if db is None:
+        return
+    try:  # the first contact: builds the engine and checks (or, on an empty file, migrates) the schema
+        mlflow.MlflowClient().search_experiments(max_results=1)
+    except Exception as err:
+        raise QerlError(f"{db}: not a usable MLflow store ({' '.join(str(err).split())[:300]}); repair it or "
+                        "move it away to start a new one") from None
+
+
 def _experiment_id(mlflow, results_dir: Path, name: str) -> str:
     exp = mlflow.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    location = None
-    if not os.environ.get("MLFLOW_TRACKING_URI") and not os.environ.get("MLFLOW_ARTIFACT_ROOT"):
-        location = (results_dir.resolve() / "mlartifacts").as_uri()
     try:
-        return mlflow.create_experiment(name, artifact_location=location)
-    except Exception:  # another stage created it concurrently
+        return mlflow.create_experiment(name, artifact_location=_artifact_root(results_dir))
+    except Exception:  # another client of a shared server created it concurrently
         return mlflow.get_experiment_by_name(name).experiment_id
+
+
+def ensure_store(results_dir: str | Path = "results", mlflow_experiment: str = EXPERIMENT_NAME) -> str:
+    """Create (and migrate) the tracking store and its MLflow experiment once; return the redacted URI."""
+    import mlflow
+
+    results_dir = Path(results_dir)
+    uri = tracking_uri(results_dir)
+    check_tracking_server(uri)
+    with _secrets_masked(uri), _store_lock(uri):
+        _open_store(mlflow, uri, results_dir)
+        _experiment_id(mlflow, results_dir, mlflow_experiment)
+    return redact_uri(uri)
+
+
+def _owner_tags() -> dict[str, str]:
+    host, pid, start = owner_tag().rsplit(".", 2)
+    return {"qerl.host": host, "qerl.pid": pid, "qerl.pid_start": start}
+
+
+def _run_is_dead(tags: dict[str, str]) -> bool:
+    """A run of this host is dead when its process is; one of another host (or untagged, from before these
+    tags) cannot be checked from here and counts as dead: Snakemake's lock allows one job per output."""
+    if tags.get("qerl.host") != socket.gethostname() or not tags.get("qerl.pid", "").isdigit():
+        return True
+    start = tags.get("qerl.pid_start")
+    return not process_alive(int(tags["qerl.pid"]), None if start in (None, "0") else start)
+
+
+def end_dead_runs(mlflow, exp_id: str, experiment: str, stage: str, current_run_id: str) -> list[str]:
+    """Mark KILLED the earlier RUNNING runs of (experiment, stage) whose process is dead; return their ids."""
+    client = mlflow.MlflowClient()
+    running = client.search_runs(
+        [exp_id], filter_string=f"tags.`qerl.experiment` = '{experiment}' and tags.`qerl.stage` = '{stage}' "
+                                "and attributes.status = 'RUNNING'")
+    ended = []
+    for run in running:
+        if run.info.run_id != current_run_id and _run_is_dead(run.data.tags):
+            client.set_tag(run.info.run_id, "qerl.killed_by_run", current_run_id)
+            client.set_terminated(run.info.run_id, status="KILLED")
+            ended.append(run.info.run_id)
+    return ended
 
 
 class StageRun:
@@ -142,34 +329,62 @@ def stage_run(*, experiment: str, stage: str, params: dict[str, Any], run_file: 
     results_dir.mkdir(parents=True, exist_ok=True)
     uri = tracking_uri(results_dir)
     check_tracking_server(uri)
-    _use_uri(mlflow, uri)
-    exp_id = _experiment_id(mlflow, results_dir, mlflow_experiment)
-    tags = {"qerl.experiment": experiment, "qerl.stage": stage, "qerl.git_commit": git_commit()}
-    upstream = read_run_file(upstream_run_file)
-    if upstream:
-        tags["qerl.upstream_run_id"] = upstream
-    t0 = time.time()
-    with mlflow.start_run(experiment_id=exp_id, run_name=f"{experiment}/{stage}", tags=tags) as run:
-        handle = StageRun(mlflow, run.info.run_id)
-        handle.log_params(params)
-        handle.log_dict(params, f"{stage}_config.json")
-        yield handle
-        handle.log_metrics({"stage_seconds": time.time() - t0})
-    atomic_write_text(run_file, json.dumps({"run_id": run.info.run_id, "tracking_uri": uri,
+    with _secrets_masked(uri):
+        with _store_lock(uri):
+            _open_store(mlflow, uri, results_dir)
+            exp_id = _experiment_id(mlflow, results_dir, mlflow_experiment)
+        tags = {"qerl.experiment": experiment, "qerl.stage": stage, "qerl.git_commit": git_commit(),
+                **_owner_tags()}
+        upstream = read_run_file(upstream_run_file)
+        if upstream:
+            tags["qerl.upstream_run_id"] = upstream
+        t0 = time.time()
+        with mlflow.start_run(experiment_id=exp_id, run_name=f"{experiment}/{stage}", tags=tags) as run:
+            end_dead_runs(mlflow, exp_id, experiment, stage, run.info.run_id)
+            handle = StageRun(mlflow, run.info.run_id)
+            handle.log_params(params)
+            handle.log_dict(params, f"{stage}_config.json")
+            yield handle
+            handle.log_metrics({"stage_seconds": time.time() - t0})
+    atomic_write_text(run_file, json.dumps({"run_id": run.info.run_id, "tracking_uri": redact_uri(uri),
                                             "experiment_id": exp_id, "stage": stage}, indent=2))
 
 
 def find_stage_runs(experiment: str, results_dir: str | Path = "results",
                     mlflow_experiment: str = EXPERIMENT_NAME) -> list[dict[str, Any]]:
-    """Finished runs of one qerl experiment, as dicts (used by tests and tables)."""
+    """Runs of one qerl experiment, as dicts (used by tests and tables); a missing sqlite store has none."""
     import mlflow
 
-    _use_uri(mlflow, tracking_uri(results_dir))
-    exp = mlflow.get_experiment_by_name(mlflow_experiment)
-    if exp is None:
+    uri = tracking_uri(results_dir)
+    db = _sqlite_path(uri)
+    if db is not None and not db.exists():
         return []
-    df = mlflow.search_runs([exp.experiment_id], filter_string=f"tags.`qerl.experiment` = '{experiment}'",
-                            output_format="list")
+    with _secrets_masked(uri):
+        with _store_lock(uri):
+            _open_store(mlflow, uri, Path(results_dir))
+            exp = mlflow.get_experiment_by_name(mlflow_experiment)
+        if exp is None:
+            return []
+        runs = mlflow.search_runs([exp.experiment_id], filter_string=f"tags.`qerl.experiment` = '{experiment}'",
+                                  output_format="list")
     return [{"run_id": r.info.run_id, "stage": r.data.tags.get("qerl.stage"), "status": r.info.status,
              "params": r.data.params, "metrics": r.data.metrics, "artifact_uri": r.info.artifact_uri}
-            for r in df]
+            for r in runs]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m qerl.tracking init --results-dir results`: create the store before any job starts."""
+    p = argparse.ArgumentParser(prog="python -m qerl.tracking", description=main.__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    init = sub.add_parser("init", help="create and migrate the tracking store and the MLflow experiment")
+    init.add_argument("--results-dir", default="results", help="holds the default sqlite store")
+    args = p.parse_args(argv)
+    try:
+        print(f"MLflow store ready: {ensure_store(args.results_dir)}")
+    except QerlError as err:
+        sys.stderr.write(f"error: {err}\n")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

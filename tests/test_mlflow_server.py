@@ -5,20 +5,24 @@ would run it; a stage in this process and one in a child process (as a SLURM job
 """
 from __future__ import annotations
 
+import base64
+import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
 from qerl.errors import QerlError
-from qerl.tracking import find_stage_runs, stage_run
+from qerl.tracking import check_tracking_server, find_stage_runs, redact_uri, stage_run
 
 
 def free_port() -> int:
@@ -142,3 +146,114 @@ def test_unreachable_server_fails_in_seconds_before_the_stage_body(tmp_path, mon
     assert time.time() - t0 < 10
     assert dead in str(err.value) and "\n" not in str(err.value)
     assert not entered and not (tmp_path / "run.json").exists()
+
+
+# --- credentials in MLFLOW_TRACKING_URI -----------------------------------------------------------------------
+
+USER, PASSWORD = "qerl", "p@ss:w/rd s3cret"  # characters that must be percent-encoded in a URI
+USERINFO = f"{USER}:{quote(PASSWORD, safe='')}"
+
+
+class BasicAuthHealth(http.server.BaseHTTPRequestHandler):
+    """A reverse proxy's basic auth in front of /health; any other path drops the connection, as a broken
+    server would (MLflow's error then quotes the full request URL)."""
+
+    def do_GET(self):
+        expected = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+        if self.headers.get("Authorization") != expected:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="mlflow"')
+            self.end_headers()
+        elif self.path == "/health":
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"OK")
+        else:
+            self.close_connection = True
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def auth_server():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BasicAuthHealth)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture
+def no_mlflow_creds(monkeypatch, tmp_path):
+    for var in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.mlflow/credentials
+
+
+def test_health_check_authenticates_with_the_uris_userinfo(auth_server, no_mlflow_creds):
+    check_tracking_server(f"http://{USERINFO}@{auth_server}")
+
+
+def test_health_check_authenticates_with_mlflows_environment_credentials(auth_server, no_mlflow_creds, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", USER)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
+    check_tracking_server(f"http://{auth_server}/")
+
+
+@pytest.mark.parametrize("userinfo", ["qerl:wrong-s3cret", None])
+def test_refused_credentials_are_one_redacted_line(auth_server, no_mlflow_creds, userinfo):
+    uri = f"http://{userinfo}@{auth_server}" if userinfo else f"http://{auth_server}"
+    with pytest.raises(QerlError, match="refused the credentials") as err:
+        check_tracking_server(uri)
+    assert "s3cret" not in str(err.value) and "\n" not in str(err.value)
+    assert redact_uri(uri) in str(err.value)
+
+
+def test_an_unreachable_server_is_named_without_its_password(no_mlflow_creds):
+    uri = f"http://{USERINFO}@127.0.0.1:{free_port()}"
+    with pytest.raises(QerlError, match="unreachable") as err:
+        check_tracking_server(uri, timeout=2)
+    assert "s3cret" not in str(err.value) and f"http://{USER}:***@127.0.0.1:" in str(err.value)
+
+
+def test_mlflows_own_errors_lose_the_password(auth_server, no_mlflow_creds, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://{USERINFO}@{auth_server}")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(QerlError) as err:
+        with stage_run(experiment="x", stage="train", params={}, run_file=tmp_path / "run.json",
+                       results_dir=tmp_path / "results"):
+            pass
+    assert f"http://{USER}:***@{auth_server}" in str(err.value) and "\n" not in str(err.value)
+    out, errs = capfd.readouterr()
+    for text in (str(err.value), out, errs):
+        assert "s3cret" not in text and quote(PASSWORD, safe="") not in text
+
+
+def test_the_run_file_records_the_server_without_the_password(server, tmp_path, monkeypatch):
+    """The real server ignores the credentials; the run still lands there, and the link file hides them."""
+    host = server["url"].removeprefix("http://")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://{USERINFO}@{host}")
+    run_file = tmp_path / "runs" / "quantize.json"
+    with stage_run(experiment="creds", stage="quantize", params={}, run_file=run_file,
+                   results_dir=tmp_path / "results"):
+        pass
+    link = json.loads(run_file.read_text())
+    assert link["tracking_uri"] == f"http://{USER}:***@{host}" and "s3cret" not in run_file.read_text()
+    assert find_stage_runs("creds", tmp_path / "results")[0]["status"] == "FINISHED"
+
+
+@pytest.mark.parametrize("uri, shown", [
+    ("http://u:pw@host:5000/path", "http://u:***@host:5000/path"),
+    ("postgresql://mlflow:pw@db.internal/mlflow", "postgresql://mlflow:***@db.internal/mlflow"),
+    ("postgresql://db/mlflow?user=u&password=pw", "postgresql://db/mlflow?user=u&password=***"),
+    ("https://host?token=abc&x=1", "https://host?token=***&x=1"),
+    ("http://host:5000", "http://host:5000"),
+    ("sqlite:////abs/results/mlflow.db", "sqlite:////abs/results/mlflow.db"),
+])
+def test_redact_uri(uri, shown):
+    assert redact_uri(uri) == shown

@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from qerl import tracking
 from qerl.errors import QerlError
+from qerl.io import owner_tag
 
 
 def test_stage_run_logs_params_metrics_artifacts_and_links(tmp_path, monkeypatch):
@@ -75,3 +81,154 @@ def test_default_store_does_not_leak_into_the_environment(tmp_path, monkeypatch)
     assert "MLFLOW_TRACKING_URI" not in os.environ
     assert tracking.find_stage_runs("x", tmp_path / "b") == []
     assert len(tracking.find_stage_runs("x", tmp_path / "a")) == 1
+
+
+# --- a sqlite store shared by parallel stages -------------------------------------------------------------------
+
+_barrier = None
+
+
+def _init_worker(barrier) -> None:
+    global _barrier
+    _barrier = barrier
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    import mlflow  # noqa: F401  (imported before the barrier, so the processes really meet at the store)
+
+
+def _start_stage_run(args: tuple[str, int]) -> str:
+    results, i = args
+    _barrier.wait(timeout=120)
+    try:
+        with tracking.stage_run(experiment=f"e{i}", stage="quantize", params={"i": i},
+                                run_file=f"{results}/e{i}/runs/quantize.json", results_dir=results):
+            pass
+        return "ok"
+    except Exception as err:  # reported to the parent, which shows it
+        return f"{type(err).__name__}: {err}"[:300]
+
+
+def test_parallel_stages_on_an_empty_results_dir_share_one_store(tmp_path, monkeypatch):
+    """Snakemake --cores N starting N stages at once: each creates the sqlite store if it is missing."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    n, repeats = 3, 5
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(n, initializer=_init_worker, initargs=(ctx.Barrier(n),)) as pool:
+        for rep in range(repeats):
+            results = tmp_path / f"r{rep}"
+            outcomes = pool.map(_start_stage_run, [(str(results), i) for i in range(n)], chunksize=1)
+            assert outcomes == ["ok"] * n, f"repeat {rep}: {outcomes}"
+            for i in range(n):
+                assert [r["status"] for r in tracking.find_stage_runs(f"e{i}", results)] == ["FINISHED"]
+
+
+def test_a_store_interrupted_while_migrating_leaves_no_broken_db(tmp_path, monkeypatch):
+    import mlflow.store.db.utils as db_utils
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    def interrupted(engine):  # Ctrl-C after the first tables, before the migrations
+        db_utils.InitialBase.metadata.create_all(engine)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(db_utils, "_initialize_tables", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            tracking.ensure_store(tmp_path)
+    assert not (tmp_path / "mlflow.db").exists()
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+    with tracking.stage_run(experiment="x", stage="quantize", params={}, run_file=tmp_path / "r.json",
+                            results_dir=tmp_path):
+        pass
+    assert tracking.find_stage_runs("x", tmp_path)[0]["status"] == "FINISHED"
+
+
+def test_init_cli_creates_the_store_and_names_a_broken_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.run([sys.executable, "-m", "qerl.tracking", "init", "--results-dir", str(tmp_path / "ok")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'ok' / 'mlflow.db'}")
+    assert client.get_experiment_by_name(tracking.EXPERIMENT_NAME) is not None
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "mlflow.db").write_bytes(b"not a database" * 100)
+    with pytest.raises(SystemExit) as exit_:
+        tracking.main(["init", "--results-dir", str(bad)])
+    assert exit_.value.code == 2
+
+
+def test_a_broken_store_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "mlflow.db").write_bytes(b"not a database" * 100)
+    with pytest.raises(QerlError, match="mlflow.db: not a usable MLflow store") as err:
+        tracking.ensure_store(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+# --- runs of killed stages ------------------------------------------------------------------------------------
+
+KILLED_STAGE = """
+import os, signal, sys
+from qerl.tracking import stage_run
+with stage_run(experiment="k", stage="train", params={}, run_file=sys.argv[1] + "/r.json", results_dir=sys.argv[1]):
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _fake_running_run(client, exp_id: str, stage: str, **owner: str) -> str:
+    tags = {"qerl.experiment": "k", "qerl.stage": stage, **{f"qerl.{k}": v for k, v in owner.items()}}
+    return client.create_run(exp_id, tags=tags).info.run_id
+
+
+def test_a_new_stage_run_marks_dead_runs_of_the_same_stage_killed(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.run([sys.executable, "-c", KILLED_STAGE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    (killed,) = tracking.find_stage_runs("k", tmp_path)
+    assert killed["status"] == "RUNNING"
+
+    client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri(tmp_path))
+    exp_id = client.get_experiment_by_name(tracking.EXPERIMENT_NAME).experiment_id
+    host, pid, start = owner_tag().rsplit(".", 2)
+    live = _fake_running_run(client, exp_id, "train", host=host, pid=pid, pid_start=start)  # by hand, alive
+    reused = _fake_running_run(client, exp_id, "train", host=host, pid=pid, pid_start=str(int(start) + 1))
+    elsewhere = _fake_running_run(client, exp_id, "train", host="another-node", pid="12")
+    other_stage = _fake_running_run(client, exp_id, "merge", host="another-node", pid="12")
+
+    with tracking.stage_run(experiment="k", stage="train", params={}, run_file=tmp_path / "r.json",
+                            results_dir=tmp_path) as run:
+        pass
+    status = {r["run_id"]: r["status"] for r in tracking.find_stage_runs("k", tmp_path)}
+    assert status[killed["run_id"]] == "KILLED" and status[reused] == "KILLED" and status[elsewhere] == "KILLED"
+    assert status[live] == "RUNNING" and status[other_stage] == "RUNNING" and status[run.run_id] == "FINISHED"
+    tags = client.get_run(run.run_id).data.tags
+    assert tags["qerl.host"] == host and tags["qerl.pid"] == pid and tags["qerl.pid_start"] == start
+    assert client.get_run(killed["run_id"]).data.tags["qerl.killed_by_run"] == run.run_id
+    assert client.get_run(killed["run_id"]).info.end_time is not None
+
+
+def test_a_live_run_marked_killed_from_another_host_ends_with_its_true_status(tmp_path, monkeypatch):
+    """The one unverifiable guess (another host's run is dead) corrects itself when that run ends."""
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracking.ensure_store(tmp_path)
+    client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri(tmp_path))
+    exp_id = client.get_experiment_by_name(tracking.EXPERIMENT_NAME).experiment_id
+    first = _fake_running_run(client, exp_id, "train", host="another-node", pid=str(os.getpid()))
+    with tracking.stage_run(experiment="k", stage="train", params={}, run_file=tmp_path / "b.json",
+                            results_dir=tmp_path):
+        pass
+    assert client.get_run(first).info.status == "KILLED"
+    client.log_metric(first, "reward", 1.0, step=1)  # it was alive after all: it goes on logging ...
+    client.set_terminated(first, status="FINISHED")  # ... and ends as mlflow.end_run ends every run
+    got = client.get_run(first)
+    assert got.info.status == "FINISHED" and got.data.metrics["reward"] == 1.0
