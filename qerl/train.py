@@ -4,7 +4,11 @@
         --checkpoint-dir results/demo/checkpoints --resume --config config/config.yaml
 
 Writes the PEFT adapter (or, for train.mode full, the whole model) plus trainer_state.json (log history),
-metrics.csv and training_curves.png; checkpoints every train.save_steps; --resume continues from the last one.
+metrics.csv and training_curves.png; checkpoints every train.save_steps into
+<checkpoint-dir>/<fingerprint[:16]>/step-NNNNNN (qerl.checkpoint: the fingerprint covers the train config, the data
+and the model). --resume continues from the newest checkpoint of the same fingerprint, and starts fresh when there
+is none: a changed config never resumes another config's checkpoint. The data are read and validated first, so a
+bad data file fails in seconds.
 """
 from __future__ import annotations
 
@@ -20,13 +24,19 @@ from qerl.stage import default_run_file, load_section, require_dir, run_main, st
 log = logging.getLogger("qerl.train")
 
 
-def _setup_data(cfg, tokenizer) -> tuple[list[list[int]], list[str]]:
-    from qerl.data import encode_prompts, load_records
+def _load_data(cfg) -> list[dict]:
+    from qerl.data import load_records
 
     d = cfg.data
-    records = load_records(d.source, split=d.split, question_field=d.question_field, answer_field=d.answer_field,
-                           config_name=d.config_name, limit=d.limit)
-    ids = encode_prompts(tokenizer, [r["question"] for r in records], d.template)
+    return load_records(d.source, split=d.split, question_field=d.question_field, answer_field=d.answer_field,
+                        config_name=d.config_name, limit=d.limit)
+
+
+def _setup_data(cfg, tokenizer, records: list[dict] | None = None) -> tuple[list[list[int]], list[str]]:
+    from qerl.data import encode_prompts
+
+    records = _load_data(cfg) if records is None else records
+    ids = encode_prompts(tokenizer, [r["question"] for r in records], cfg.data.template)
     keep = [i for i, p in enumerate(ids) if len(p) <= cfg.max_prompt_length]
     if len(keep) < len(ids):
         log.warning("dropped %d prompt(s) longer than max_prompt_length=%d", len(ids) - len(keep),
@@ -39,6 +49,27 @@ def _setup_rewards(cfg):
 
     weights = cfg.reward_weights or [1.0] * len(cfg.rewards)
     return [(name.split(":")[-1].split(".")[-1], get_reward_fn(name), w) for name, w in zip(cfg.rewards, weights)]
+
+
+def _setup_checkpoints(cfg, records: list[dict], model_dir: str, checkpoint_dir: Path, resume: bool):
+    """This run's checkpoint folder, named by the fingerprint of its config, data and model."""
+    import time
+
+    from qerl.checkpoint import CheckpointRun, run_fingerprint
+
+    t0 = time.perf_counter()
+    fingerprint = run_fingerprint(cfg.model_dump(mode="json"), records, model_dir,
+                                  about={"data_source": str(cfg.data.source)})
+    run = CheckpointRun(checkpoint_dir, fingerprint)
+    log.info("checkpoints of this run: %s (fingerprint %s, %.1f s)", run.dir, fingerprint.digest,
+             time.perf_counter() - t0)
+    existing = run.checkpoints()
+    if existing and not resume:
+        raise QerlError(f"{run.dir} already holds {len(existing)} checkpoint(s) of this config, data and model "
+                        f"(newest {existing[-1].name}): pass --resume to continue, or delete {run.dir} to start over")
+    if not resume:
+        run.log_others()
+    return run
 
 
 def _setup_model(cfg, model_dir: str):
@@ -96,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True, help="checkpoint to train on (results/<exp>/quantized)")
     p.add_argument("--out", required=True, help="adapter output directory")
     p.add_argument("--checkpoint-dir", help="default: <out>.checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint if there is one")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint of the same config, data and model; start fresh if none")
     args = p.parse_args(argv)
     cfg = load_section(args, "train")
     require_dir(args.model, "--model")
@@ -106,19 +138,22 @@ def main(argv: list[str] | None = None) -> None:
     from qerl.tracking import stage_run
     from qerl.trainer import GRPOTrainer
 
+    records = _load_data(cfg)  # before the model: a bad data file or reward name fails in seconds
+    rewards = _setup_rewards(cfg)
+    checkpoints = _setup_checkpoints(cfg, records, args.model, Path(args.checkpoint_dir or f"{args.out}.checkpoints"),
+                                     args.resume)
     torch.manual_seed(cfg.seed)
-    ckpt = Path(args.checkpoint_dir or f"{args.out}.checkpoints")
     params = {"model": args.model, **cfg.model_dump(mode="json")}
     with stage_run(experiment=args.experiment, stage="train", params=params, run_file=default_run_file(args, "train"),
                    results_dir=args.results_dir, upstream_run_file=args.upstream_run_file) as run:
+        run.set_tags({"qerl.checkpoints": str(checkpoints.dir)})
         model, tokenizer = _setup_model(cfg, args.model)
-        prompts, answers = _setup_data(cfg, tokenizer)
-        trainer = GRPOTrainer(cfg, model, tokenizer, prompts, answers, _setup_rewards(cfg), checkpoint_dir=ckpt,
+        prompts, answers = _setup_data(cfg, tokenizer, records)
+        trainer = GRPOTrainer(cfg, model, tokenizer, prompts, answers, rewards,
+                              checkpoint_dir=checkpoints.root, fingerprint=checkpoints.fingerprint,
                               log_metrics=lambda m, s: run.log_metrics(m, step=s))
         if args.resume:
             trainer.resume()
-        elif list_existing := [c for c in ckpt.glob("step-*")]:
-            raise QerlError(f"{ckpt} already holds {len(list_existing)} checkpoint(s): pass --resume or remove it")
         history = trainer.train()
         save_outputs(trainer, tokenizer, cfg, args.out)
         out = Path(args.out)

@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from qerl.aqn import aqn_noise, aqn_sigma, aqn_stage, rmsnorm_noise_targets, sample_noise
-from qerl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from qerl.checkpoint import CheckpointRun, NonFiniteState, load_checkpoint
 from qerl.errors import QerlError
 from qerl.grpo import group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
 
 if TYPE_CHECKING:  # pydantic is not on the GPU image; the trainer only reads the config's attributes
+    from qerl.checkpoint import Fingerprint
     from qerl.config import TrainConfig
 
 log = logging.getLogger("qerl.train")
@@ -78,12 +79,16 @@ class Batch:
 class GRPOTrainer:
     def __init__(self, cfg: TrainConfig, model, tokenizer, prompts: list[list[int]], answers: list[str],
                  reward_fns: list[tuple[str, Callable, float]], *, checkpoint_dir: str | Path,
+                 fingerprint: Fingerprint | None = None,
                  log_metrics: Callable[[dict[str, float], int], None] | None = None):
+        """fingerprint (qerl.checkpoint.run_fingerprint) names this run's checkpoint folder; train() and resume()
+        need it, a trainer only stepped by hand (benchmarks) does not."""
         if len(prompts) == 0:
             raise QerlError("train.data: no usable prompts (empty dataset, or all longer than max_prompt_length)")
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.prompts, self.answers, self.reward_fns = prompts, answers, reward_fns
         self.checkpoint_dir = Path(checkpoint_dir)
+        self.checkpoints = CheckpointRun(checkpoint_dir, fingerprint) if fingerprint is not None else None
         self.log_metrics = log_metrics or (lambda m, s: None)
         self.device = next(p for p in model.parameters()).device
         if cfg.fused_elementwise:  # before tiling: a tiled MLP's slices then run the compiled activation
@@ -175,14 +180,19 @@ class GRPOTrainer:
         return batch
 
     def score(self, texts: list[str], answers: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
+        from qerl.rewards import GradingStats, call_reward
+
         total = torch.zeros(len(texts))
-        metrics = {}
+        metrics, stats = {}, GradingStats()
+        limit = getattr(self.cfg, "grading_timeout_s", 1.0)  # seconds per completion; past it the reward is 0
         for name, fn, weight in self.reward_fns:
-            values = torch.tensor(fn(texts, answers=answers, kind=self.cfg.data.answer_kind), dtype=torch.float32)
+            values = torch.tensor(call_reward(fn, texts, answers=answers, kind=self.cfg.data.answer_kind,
+                                              timeout_s=limit, stats=stats), dtype=torch.float32)
             if values.shape != total.shape:
                 raise QerlError(f"reward '{name}' returned {values.numel()} values for {len(texts)} completions")
             metrics[f"rewards/{name}/mean"] = values.mean().item()
             total += weight * values
+        metrics["rewards/grading_timeouts"] = float(stats.timeouts)
         return total, metrics
 
     def collate(self, out, advantages: torch.Tensor) -> Batch:
@@ -286,7 +296,7 @@ class GRPOTrainer:
                                        num_items_in_batch=n_tokens, gradient_accumulation_steps=len(slices))
                 if not torch.isfinite(loss):
                     raise QerlError(f"non-finite loss at step {step + 1}; the last good checkpoint is "
-                                    f"{(list_checkpoints(self.checkpoint_dir) or ['none'])[-1]}")
+                                    f"{self.last_good_checkpoint()}")
                 with self._forward_precision(backward=True):
                     loss.backward()
                 metrics.update(lm, loss=loss.detach(), entropy=masked_mean(ent, mask))
@@ -294,6 +304,9 @@ class GRPOTrainer:
                     sums[k] = sums.get(k, 0.0) + float(v) / (len(slices) * cfg.num_iterations)
             sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], cfg.max_grad_norm))
+            if not math.isfinite(sums["grad_norm"]):  # clipping scaled the gradients by nan: never apply them
+                raise QerlError(f"non-finite gradient norm at step {step + 1} (update not applied); the last good "
+                                f"checkpoint is {self.last_good_checkpoint()}")
             sums["learning_rate"] = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
             self.scheduler.step()
@@ -303,13 +316,35 @@ class GRPOTrainer:
         return sums
 
     # ---- loop ----
+    def _checkpoint_run(self) -> CheckpointRun:
+        if self.checkpoints is None:
+            raise ValueError("GRPOTrainer needs fingerprint= to save or resume checkpoints")
+        return self.checkpoints
+
+    def last_good_checkpoint(self) -> str:
+        return self.checkpoints.last_good() if self.checkpoints is not None else "none (no checkpoint folder)"
+
     def resume(self) -> None:
-        found = list_checkpoints(self.checkpoint_dir)
-        if not found:
+        """Continue from the newest checkpoint of this fingerprint, replaying its metrics to log_metrics (the
+        new tracking run then holds the whole curve); without one, start fresh."""
+        run = self._checkpoint_run()
+        found = run.resumable()
+        if found is None:
+            log.info("no checkpoint of this config, data and model in %s: starting fresh", run.dir)
             return
-        state = load_checkpoint(found[-1], self.model, self.optimizer, self.scheduler)
+        state = load_checkpoint(found, self.model, self.optimizer, self.scheduler)
         self.step, self.log_history = state["step"], state.get("log_history", [])
-        log.info("resumed from %s (step %d of %d)", found[-1], self.step, self.total_steps)
+        for row in self.log_history:
+            self.log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
+        log.info("resumed from %s (step %d of %d)", found, self.step, self.total_steps)
+
+    def save(self) -> Path:
+        try:
+            return self._checkpoint_run().save(self.step, self.model, self.optimizer, self.scheduler,
+                                               {"log_history": self.log_history, "total_steps": self.total_steps})
+        except NonFiniteState as err:
+            raise QerlError(f"{err} after step {self.step} (checkpoint not written); the last good checkpoint is "
+                            f"{self.last_good_checkpoint()}") from None
 
     def train(self) -> list[dict[str, Any]]:
         from tqdm.auto import tqdm
@@ -328,7 +363,6 @@ class GRPOTrainer:
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", step_s=f"{metrics['timing/step']:.1f}")
             bar.update(1)
             if self.step % self.cfg.save_steps == 0 or self.step == self.total_steps:
-                save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer, self.scheduler,
-                                {"log_history": self.log_history, "total_steps": self.total_steps})
+                self.save()
         bar.close()
         return self.log_history

@@ -1,7 +1,10 @@
-"""Training stage: kill -9 mid-run + --resume ends with the same adapter as an uninterrupted run; NaN stops."""
+"""Training stage: kill -9 mid-run + --resume ends with the same adapter as an uninterrupted run and the whole
+metric curve in the resumed MLflow run; a changed config never resumes; a non-finite loss, gradient or weight
+stops the run naming a checkpoint that is really finite; bad data fail before the model loads."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -64,7 +67,7 @@ def test_kill_and_resume_equals_uninterrupted(nvfp4_dir, task, tmp_path):
     proc = subprocess.Popen(_cmd(nvfp4_dir, tmp_path / "b", ck_b, tmp_path / "res", cfg, True), env=_env(task),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while not (ck_b / "step-000002").exists() and proc.poll() is None and time.time() < deadline:
+    while not list(ck_b.glob("*/step-000002")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, "training finished before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
@@ -84,28 +87,114 @@ def test_kill_and_resume_equals_uninterrupted(nvfp4_dir, task, tmp_path):
     hist_a = json.loads((tmp_path / "a" / "trainer_state.json").read_text())["log_history"]
     hist_b = json.loads((tmp_path / "b" / "trainer_state.json").read_text())["log_history"]
     assert [h["reward"] for h in hist_a] == [h["reward"] for h in hist_b]
+    # the resumed MLflow run holds the metrics of the steps before the kill too, each once
+    from mlflow.tracking import MlflowClient
+
+    run_file = json.loads((tmp_path / "res" / "resume" / "runs" / "train.json").read_text())
+    history = MlflowClient(run_file["tracking_uri"]).get_metric_history(run_file["run_id"], "reward")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5]
+    assert {m.step: m.value for m in history} == {h["step"]: h["reward"] for h in hist_a}
 
 
-def test_existing_checkpoints_without_resume_is_an_error(nvfp4_dir, task, tmp_path):
-    (tmp_path / "ck" / "step-000001").mkdir(parents=True)
-    proc = subprocess.run(_cmd(nvfp4_dir, tmp_path / "o", tmp_path / "ck", tmp_path / "res", _train_config(task),
-                               False), env=_env(task), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "--resume" in proc.stderr
+def _args(model: Path, out: Path, ckpt: Path, results: Path, cfg: dict, resume: bool) -> list[str]:
+    return _cmd(model, out, ckpt, results, cfg, resume)[3:]  # the CLI arguments, for an in-process main()
 
 
-def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(nvfp4_dir, task, tmp_path, monkeypatch):
+def _adapter(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "adapter_model.safetensors")
+
+
+def test_changed_config_starts_fresh_and_the_old_config_resumes(nvfp4_dir, task, tmp_path, monkeypatch, caplog):
+    """Snakemake always passes --resume: after learning_rate changes, the finished run's checkpoint must not be
+    "resumed" (0 steps, the old adapter under the new config); switching back resumes the old folder."""
+    monkeypatch.syspath_prepend(str(task))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from qerl.train import main
+
+    cfg = {**_train_config(task), "max_steps": 1}
+    ck, res = tmp_path / "ck", tmp_path / "res"
+    main(_args(nvfp4_dir, tmp_path / "a", ck, res, cfg, True))
+    first = [p for p in ck.iterdir() if p.is_dir()]
+    with caplog.at_level(logging.INFO, logger="qerl.train"):
+        main(_args(nvfp4_dir, tmp_path / "b", ck, res, {**cfg, "learning_rate": 2e-3}, True))
+    assert "resumed from" not in caplog.text and "starting fresh" in caplog.text
+    assert str(first[0]) in caplog.text  # the other config's folder is named, for deletion
+    assert len([p for p in ck.iterdir() if p.is_dir()]) == 2
+    a, b = _adapter(tmp_path / "a"), _adapter(tmp_path / "b")
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="qerl.train"):
+        main(_args(nvfp4_dir, tmp_path / "c", ck, res, {**cfg, "save_steps": 5}, True))  # save_steps: same run
+    assert f"resumed from {first[0] / 'step-000001'}" in caplog.text
+    c = _adapter(tmp_path / "c")
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_existing_checkpoints_without_resume_is_an_error(nvfp4_dir, task, tmp_path, monkeypatch, capsys, caplog):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from qerl.config import parse_section
+    from qerl.stage import run_main
+    from qerl.train import _load_data, _setup_checkpoints, main
+
+    cfg = _train_config(task)
+    section = parse_section("train", cfg)
+    ck = tmp_path / "ck"
+    (ck / "step-000001").mkdir(parents=True)  # the old flat layout: never resumed, no reason to refuse a fresh run
+    (ck / "step-000001" / "trainer_state.json").write_text('{"step": 1}')
+    with caplog.at_level(logging.WARNING, logger="qerl.train"):
+        run = _setup_checkpoints(section, _load_data(section), str(nvfp4_dir), ck, resume=False)
+    assert "old layout" in caplog.text
+    (run.dir / "step-000003").mkdir(parents=True)
+    (run.dir / "step-000003" / "trainer_state.json").write_text('{"step": 3}')
+    with pytest.raises(SystemExit) as exit_:
+        run_main(main, _args(nvfp4_dir, tmp_path / "o", ck, tmp_path / "res", cfg, False))
+    assert exit_.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "--resume" in line and str(run.dir) in line and "step-000003" in line
+
+
+def test_bad_data_fail_before_the_model_loads(nvfp4_dir, task, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from qerl import train
+    from qerl.errors import QerlError
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was loaded before the data were validated")
+
+    monkeypatch.setattr(train, "_setup_model", no_model)
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"question": "1+1", "answer": "2"}\n{"question": "2+2", \n')
+    cfg = {**_train_config(task), "data": {**_train_config(task)["data"], "source": str(bad)}}
+    with pytest.raises(QerlError, match=r"train.jsonl:2: not valid JSON"):
+        train.main(_args(nvfp4_dir, tmp_path / "o", tmp_path / "ck", tmp_path / "res", cfg, True))
+
+
+def _trainer(task, nvfp4_dir, tmp_path, monkeypatch, **overrides):
+    """A trainer wired as qerl.train wires it (fingerprint folder under tmp_path/ck), outside the CLI."""
     monkeypatch.syspath_prepend(str(task))
     from qerl import trainer as trainer_mod
     from qerl.config import parse_section
-    from qerl.errors import QerlError
-    from qerl.train import _setup_data, _setup_model, _setup_rewards
+    from qerl.train import _load_data, _setup_checkpoints, _setup_data, _setup_model, _setup_rewards
 
-    cfg = parse_section("train", _train_config(task))
+    cfg = parse_section("train", {**_train_config(task), **overrides})
+    records = _load_data(cfg)
+    run = _setup_checkpoints(cfg, records, str(nvfp4_dir), tmp_path / "ck", resume=True)
+    torch.manual_seed(cfg.seed)
     model, tok = _setup_model(cfg, str(nvfp4_dir))
-    prompts, answers = _setup_data(cfg, tok)
-    tr = trainer_mod.GRPOTrainer(cfg, model, tok, prompts, answers, _setup_rewards(cfg),
-                                 checkpoint_dir=tmp_path / "ck")
+    prompts, answers = _setup_data(cfg, tok, records)
+    return trainer_mod.GRPOTrainer(cfg, model, tok, prompts, answers, _setup_rewards(cfg),
+                                   checkpoint_dir=tmp_path / "ck", fingerprint=run.fingerprint), run
+
+
+def _trainable(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(nvfp4_dir, task, tmp_path, monkeypatch):
+    from qerl import trainer as trainer_mod
+    from qerl.errors import QerlError
+
+    tr, run = _trainer(task, nvfp4_dir, tmp_path, monkeypatch)
     real = trainer_mod.policy_loss
     calls = {"n": 0}
 
@@ -117,7 +206,45 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(nvfp4_dir, task
     monkeypatch.setattr(trainer_mod, "policy_loss", flaky)
     with pytest.raises(QerlError, match=r"non-finite loss at step 3; the last good checkpoint is .*step-000002"):
         tr.train()
-    assert (tmp_path / "ck" / "step-000002" / "trainable.pt").is_file()
+    assert (run.dir / "step-000002" / "trainable.pt").is_file()
+
+
+def test_nonfinite_gradient_is_never_applied(nvfp4_dir, task, tmp_path, monkeypatch):
+    """A finite loss with an infinite gradient (a half-precision overflow in backward): clipping would scale every
+    gradient by nan and AdamW write nan weights into the next checkpoint; the run stops before the update."""
+    from qerl.errors import QerlError
+
+    tr, run = _trainer(task, nvfp4_dir, tmp_path, monkeypatch)
+    name, lora_b = next((n, p) for n, p in tr.model.named_parameters() if "lora_B" in n)
+    lora_b.register_hook(lambda g: g * float("inf") if tr.step == 2 else g)
+    with pytest.raises(QerlError, match=r"non-finite gradient norm at step 3 \(update not applied\); the last good "
+                                        r"checkpoint is .*step-000002$"):
+        tr.train()
+    saved = torch.load(run.dir / "step-000002" / "trainable.pt", weights_only=True)
+    now = _trainable(tr.model)
+    assert all(torch.equal(saved[k], now[k]) for k in saved) and torch.isfinite(now[name]).all()
+    assert not (run.dir / "step-000003").exists()
+
+
+def test_nonfinite_weights_are_never_checkpointed(nvfp4_dir, task, tmp_path, monkeypatch):
+    from qerl.errors import QerlError
+
+    tr, run = _trainer(task, nvfp4_dir, tmp_path, monkeypatch)
+    name, lora_a = next((n, p) for n, p in tr.model.named_parameters() if "lora_A" in n)
+    real_step = tr.optimizer.step
+
+    def overflowing_step(*a, **kw):
+        out = real_step(*a, **kw)
+        if tr.step == 2:
+            with torch.no_grad():
+                lora_a.view(-1)[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(tr.optimizer, "step", overflowing_step)
+    with pytest.raises(QerlError, match=rf"non-finite values in trainable {name} after step 3 \(checkpoint not "
+                                        r"written\); the last good checkpoint is .*step-000002$"):
+        tr.train()
+    assert [p.name for p in run.checkpoints()] == ["step-000001", "step-000002"]
 
 
 def test_offloaded_activations_give_the_same_update(nvfp4_dir, task, tmp_path, monkeypatch):
