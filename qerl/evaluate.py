@@ -17,20 +17,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from qerl.errors import QerlError
+from qerl.hub import check_checkpoint, model_commit, resolve_model
 from qerl.stage import default_run_file, load_section, run_main, stage_parser
 
 log = logging.getLogger("qerl.evaluate")
 
 
-def require_weights(path: str) -> Path:
-    """A local model path must be a directory with weights; anything else is taken as a hub name."""
-    p = Path(path)
-    if p.exists() and not (p.is_dir() and (list(p.glob("*.safetensors")) or list(p.glob("*.bin")))):
-        raise QerlError(f"model directory {path} has no weights (*.safetensors or *.bin)")
-    return p
+def model_dir(ref: str | Path, revision: str | None = None, what: str = "model") -> Path:
+    """The checked local directory of a model reference (a directory, or a hub name fetched at revision)."""
+    return check_checkpoint(resolve_model(str(ref), revision, what=what), what)
 
 
-def load_for_eval(path: str, dtype: str):
+def load_for_eval(path: str | Path, dtype: str):
     """A dense HF model, or the packed FP4 model for a compressed-tensors checkpoint (never a bf16 copy)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,12 +36,12 @@ def load_for_eval(path: str, dtype: str):
     from qerl.trainer import resolve_device_dtype
 
     device, torch_dtype = resolve_device_dtype(dtype)
-    p = require_weights(path)
-    if p.exists() and is_quantized_checkpoint(p):
+    p = model_dir(path)
+    if is_quantized_checkpoint(p):
         model = load_quantized_model(p, dtype=torch_dtype, device=device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
-    return model.eval(), AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch_dtype).to(device)
+    return model.eval(), AutoTokenizer.from_pretrained(str(p))
 
 
 def _records(entry, data_dir: str | None, limit: int | None):
@@ -86,7 +84,8 @@ def evaluate_variant(variant: str, path: str, cfg, benchmarks: list, records_dir
         for mode, k, sampling in _modes(cfg, spec, entry):
             t0 = time.perf_counter()
             summary, per_problem = evaluate_benchmark(engine, tok, records, kind=spec.kind, template=template,
-                                                      sampling=sampling, k=k, batch_size=cfg.batch_size)
+                                                      sampling=sampling, k=k, batch_size=cfg.batch_size,
+                                                      grading_timeout_s=getattr(cfg, "grading_timeout_s", 1.0))
             key = result_key(entry.name, variant, mode)
             rec_path = records_dir / f"{key.replace('/', '_')}.jsonl"
             rec_path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,10 +102,17 @@ def evaluate_variant(variant: str, path: str, cfg, benchmarks: list, records_dir
     return results
 
 
+def _variant_dirs(variants: list[str], paths: dict, revision: str | None) -> dict[str, Path]:
+    """Each evaluated variant's checked local directory; --revision pins the base, the only hub-named one."""
+    flags = {"trained": "--trained", "base": "--base", "quantized_base": "--quantized"}
+    return {v: model_dir(paths[v], revision if v == "base" else None, flags[v]) for v in variants}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = stage_parser("python -m qerl.evaluate", __doc__)
     p.add_argument("--trained", required=True, help="merged checkpoint (results/<exp>/merged)")
     p.add_argument("--base", help="base model (hub name or dir) for the 'base' variant")
+    p.add_argument("--revision", help="hub branch, tag or commit of --base (default: main)")
     p.add_argument("--quantized", help="quantized base for the 'quantized_base' variant")
     p.add_argument("--data-dir", help="folder holding <benchmark>/test.jsonl")
     p.add_argument("--out", required=True, help="eval.json path")
@@ -119,8 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     data_dir = cfg.data_dir or args.data_dir
     # fail on a bad benchmark or model path before loading any model
     benchmarks = [_records(entry, data_dir, cfg.limit) for entry in cfg.benchmarks]
-    for variant in cfg.variants:
-        require_weights(paths[variant])
+    dirs = _variant_dirs(cfg.variants, paths, args.revision)
 
     from qerl.evaluation import validate_eval
     from qerl.io import atomic_write_json
@@ -128,13 +133,14 @@ def main(argv: list[str] | None = None) -> None:
 
     out = Path(args.out)
     records_dir = out.parent / "eval_records"
-    params = {**paths, **cfg.model_dump(mode="json")}
+    hub = {"model_revision": args.revision, "model_commit": model_commit(dirs["base"]) if "base" in dirs else None}
+    params = {**paths, **{k: v for k, v in hub.items() if v}, **cfg.model_dump(mode="json")}
     with stage_run(experiment=args.experiment, stage="evaluate", params=params,
                    run_file=default_run_file(args, "evaluate"), results_dir=args.results_dir,
                    upstream_run_file=args.upstream_run_file) as run:
         results = {}
         for variant in cfg.variants:
-            results.update(evaluate_variant(variant, paths[variant], cfg, benchmarks, records_dir, run))
+            results.update(evaluate_variant(variant, str(dirs[variant]), cfg, benchmarks, records_dir, run))
         doc = {"experiment": args.experiment, "created": datetime.now(timezone.utc).isoformat(),
                "model": {"path": args.trained, "base": args.base or "", "quantized": args.quantized or ""},
                "engine": cfg.engine, "mlflow_run_id": run.run_id, "benchmarks": results}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qerl.errors import QerlError
+from qerl.hub import check_checkpoint, resolve_model
 from qerl.io import atomic_dir, atomic_write_json
 from qerl.stage import default_run_file, load_section, require_dir, run_main, stage_parser
 
@@ -26,13 +27,13 @@ def copy_full_model(model_dir: str | Path, out_dir: str | Path, dtype) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = stage_parser("python -m qerl.merge", __doc__)
-    p.add_argument("--base", required=True, help="the checkpoint training ran on (quantized or bf16)")
+    p.add_argument("--base", required=True, help="the checkpoint training ran on (quantized or bf16; dir or hub name)")
     p.add_argument("--adapter", required=True, help="PEFT adapter directory written by qerl.train")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = p.parse_args(argv)
     cfg = load_section(args, "merge")
-    require_dir(args.base, "--base")
+    base = check_checkpoint(resolve_model(args.base, what="--base"), "--base")
     require_dir(args.adapter, "--adapter", must_contain=())
 
     import torch
@@ -48,10 +49,10 @@ def main(argv: list[str] | None = None) -> None:
             raise QerlError("merge.requantize: not available for full fine-tuning output; quantize it separately")
         with atomic_dir(args.out) as tmp:
             if full:
-                require_dir(args.adapter, "--adapter (full fine-tuning output)")
+                check_checkpoint(args.adapter, "--adapter (full fine-tuning output)")
                 report = copy_full_model(args.adapter, tmp, getattr(torch, args.dtype))
             else:
-                report = merge_adapter(args.base, args.adapter, tmp, dtype=getattr(torch, args.dtype),
+                report = merge_adapter(base, args.adapter, tmp, dtype=getattr(torch, args.dtype),
                                        requantize=cfg.requantize)
             atomic_write_json(Path(tmp) / "merge.json", report)
         run.log_report(report)

@@ -10,7 +10,6 @@ from the files alone: saved weight vs deq(W) + B @ A * scaling in float64.
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from qerl.errors import QerlError
+from qerl.hub import check_checkpoint, read_json, resolve_model, safetensors_header, tensor_shapes
 
 TRAINED_NORMS_FILE = "trained_norms.safetensors"  # written by qerl.checkpoint.save_trained_norms
 
@@ -87,12 +87,65 @@ def _save_plain(model: nn.Module, base_dir: Path, adapter_dir: Path, out_dir: Pa
         GenerationConfig.from_pretrained(str(base_dir)).save_pretrained(str(out_dir))
 
 
-def _lora_scaling(adapter_dir: Path) -> tuple[dict, float]:
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+def _adapter_config(adapter_dir: Path) -> dict:
+    file = adapter_dir / "adapter_config.json"
+    cfg = read_json(file)
+    missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
+    if missing:
+        raise QerlError(f"{file}: missing {', '.join(missing)} (expected a PEFT LoRA adapter config)")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise QerlError(f"{file}: peft_type is {cfg['peft_type']!r}, expected 'LORA'")
+    if not isinstance(cfg["r"], int) or cfg["r"] <= 0 or not isinstance(cfg["lora_alpha"], (int, float)):
+        raise QerlError(f"{file}: r must be a positive integer and lora_alpha a number "
+                        f"(got r={cfg['r']!r}, lora_alpha={cfg['lora_alpha']!r})")
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise QerlError(f"{adapter_dir}/adapter_config.json: rank_pattern/alpha_pattern are not supported")
+        raise QerlError(f"{file}: rank_pattern/alpha_pattern are not supported")
+    return cfg
+
+
+def _lora_scaling(adapter_dir: Path) -> tuple[dict, float]:
+    cfg = _adapter_config(adapter_dir)
     r = cfg["r"]
     return cfg, cfg["lora_alpha"] / (r ** 0.5 if cfg.get("use_rslora") else r)
+
+
+def _linear_shape(base: dict[str, tuple[int, ...]], module: str) -> tuple[int, int] | None:
+    """(out_features, in_features) of a base Linear from its stored tensor: dense, or FP4 packed two per byte."""
+    if len(base.get(f"{module}.weight", ())) == 2:
+        return base[f"{module}.weight"]
+    if len(base.get(f"{module}.weight_packed", ())) == 2:
+        rows, cols = base[f"{module}.weight_packed"]
+        return rows, 2 * cols
+    return None
+
+
+def _check_adapter_fits(adapter_dir: Path, base_dir: Path, cfg: dict) -> None:
+    """Every LoRA pair must sit on a base Linear of its shape: an adapter trained for another base fails here,
+    naming the layer, instead of deep inside peft."""
+    file = adapter_dir / "adapter_model.safetensors"
+    if not file.is_file():
+        raise QerlError(f"{adapter_dir}: no adapter_model.safetensors (pickled adapter_model.bin is not loaded)")
+    adapter = {k: tuple(t["shape"]) for k, t in safetensors_header(file).items()}
+    base = tensor_shapes(base_dir)
+    targets, modules = cfg["target_modules"], {name.rpartition(".")[0] for name in base}
+    # peft's list matching: a module name equal to a target or ending in "."+target (a str is a regex: skipped)
+    if isinstance(targets, list) and not any(m == t or m.endswith("." + t) for m in modules for t in targets):
+        raise QerlError(f"{adapter_dir}/adapter_config.json: target_modules {targets} are not layers of the base "
+                        f"{base_dir} (adapter trained for another model?)")
+    pairs = sorted(k for k in adapter if k.endswith(".lora_A.weight"))
+    if not pairs:
+        raise QerlError(f"{file}: no LoRA tensors (*.lora_A.weight)")
+    for key in pairs:
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        want = _linear_shape(base, module)
+        if want is None:
+            raise QerlError(f"{file}: layer {module} is not in the base {base_dir} (adapter trained for another "
+                            f"model?)")
+        b_shape = adapter.get(key.replace("lora_A", "lora_B"))
+        got = (b_shape[0] if b_shape else None, adapter[key][-1])
+        if tuple(got) != tuple(want):
+            raise QerlError(f"{file}: layer {module} LoRA maps {got[1]} -> {got[0]} features but the base {base_dir} "
+                            f"layer is {want[1]} -> {want[0]} (adapter trained for another base model)")
 
 
 class _Tensors:
@@ -147,12 +200,12 @@ def merge_adapter(base_dir, adapter_dir, out_dir, *, dtype: torch.dtype = torch.
     With requantize (a qerl.quant.compress scheme) the merged model is also quantized into out_dir/requantized."""
     from peft import PeftModel
 
-    base_dir, adapter_dir, out_dir = Path(base_dir), Path(adapter_dir), Path(out_dir)
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
         raise QerlError(f"adapter_dir: {adapter_dir}/adapter_config.json not found (expected a PEFT adapter)")
-    if not (base_dir / "config.json").is_file():
-        raise QerlError(f"base_dir: {base_dir}/config.json not found (expected a HF checkpoint)")
-    _lora_scaling(adapter_dir)  # validate before the heavy work
+    base_dir = check_checkpoint(resolve_model(str(base_dir), what="base_dir"), "base_dir")
+    # validate before the heavy work
+    _check_adapter_fits(adapter_dir, base_dir, _adapter_config(adapter_dir))
     base, quantized = _load_base(base_dir)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     norms = _copy_trained_norms(merged, adapter_dir)

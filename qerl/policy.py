@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from qerl.errors import QerlError
+from qerl.hub import check_checkpoint, resolve_model
 
 MODES = ("qlora_fp4", "lora", "qlora_nf4", "full")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -48,15 +49,15 @@ class LoraSpec:
                           target_modules=list(self.target_modules), bias="none", task_type="CAUSAL_LM")
 
 
-def _check_args(model_path: Path, mode: str, lora: LoraSpec | None) -> None:
+def _check_args(model_path, mode: str, lora: LoraSpec | None) -> Path:
+    """The checkpoint directory (a hub name resolves to its cached snapshot), after the cheap argument checks."""
     if mode not in MODES:
         raise QerlError(f"mode: {mode!r} is not one of {list(MODES)}")
-    if not (model_path / "config.json").is_file():
-        raise QerlError(f"model_path: {model_path}/config.json not found (expected a local HF checkpoint)")
     if mode == "full" and lora is not None:
         raise QerlError("lora: mode 'full' trains every weight; leave lora unset")
     if mode != "full" and lora is None:
         raise QerlError(f"lora: mode {mode!r} needs a LoraSpec(r, alpha)")
+    return check_checkpoint(resolve_model(str(model_path), what="model_path"), "model_path")
 
 
 def _load_base(model_path: Path, mode: str, dtype: torch.dtype, device) -> nn.Module:
@@ -124,8 +125,7 @@ def load_policy(model_path, *, mode: str, dtype: torch.dtype = torch.float32, de
     mode 'full'. The model is returned in train mode."""
     from transformers import AutoTokenizer
 
-    model_path = Path(model_path)
-    _check_args(model_path, mode, lora)
+    model_path = _check_args(model_path, mode, lora)
     base = _load_base(model_path, mode, dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     if tokenizer.pad_token is None:

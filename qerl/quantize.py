@@ -3,6 +3,9 @@
     python -m qerl.quantize --experiment demo --model resources/smollm2-135m-instruct \
         --out results/demo/quantized --config config/config.yaml
 
+--model is a local checkpoint directory or a hub repo id (e.g. Qwen/Qwen2.5-7B-Instruct, fetched into the HF cache
+at --revision; HF_HUB_OFFLINE=1 uses the cache only).
+
 Writes the checkpoint (loadable by vLLM and by qerl.quant.loader) and quantize.json inside it: scheme, seconds,
 bytes per tensor kind, the model-size ratio to bf16 and the per-layer relative weight error.
 """
@@ -10,11 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qerl.hub import check_checkpoint, model_commit, resolve_model
 from qerl.io import atomic_dir, atomic_write_json
 from qerl.stage import default_run_file, load_section, run_main, stage_parser
 
 
-def _calibration_texts(data_json: str | None, model: str, n: int) -> list[str]:
+def _calibration_texts(data_json: str | None, model: Path, n: int) -> list[str]:
     """nvfp4-awq calibrates on the training prompts, rendered with the chat template as in training."""
     from transformers import AutoTokenizer
 
@@ -28,22 +32,15 @@ def _calibration_texts(data_json: str | None, model: str, n: int) -> list[str]:
     return [build_prompt(tok, r["question"], data.template) for r in records]
 
 
-def _check_model(model: str) -> None:
-    from qerl.errors import QerlError
-
-    p = Path(model)
-    if (p.exists() or model.startswith(("/", ".", "resources/"))) and not (p / "config.json").is_file():
-        raise QerlError(f"model: {model} is not a model directory (no config.json)")
-
-
 def main(argv: list[str] | None = None) -> None:
     p = stage_parser("python -m qerl.quantize", __doc__)
     p.add_argument("--model", required=True, help="hub name or local HF checkpoint directory")
+    p.add_argument("--revision", help="hub branch, tag or commit of --model (default: main)")
     p.add_argument("--out", required=True)
     p.add_argument("--calibration-data-json", help="DataConfig JSON of the training prompts (nvfp4-awq)")
     args = p.parse_args(argv)
     cfg = load_section(args, "quantize")
-    _check_model(args.model)
+    model_dir = check_checkpoint(resolve_model(args.model, args.revision, what="--model"), "--model")
 
     from qerl.quant.compress import quantize_checkpoint
     from qerl.tracking import stage_run
@@ -53,12 +50,13 @@ def main(argv: list[str] | None = None) -> None:
         if not args.calibration_data_json:
             from qerl.errors import QerlError
             raise QerlError("quantize.scheme nvfp4-awq needs --calibration-data-json (the training data)")
-        texts = _calibration_texts(args.calibration_data_json, args.model, cfg.calibration_samples)
-    params = {"model": args.model, **cfg.model_dump(mode="json")}
+        texts = _calibration_texts(args.calibration_data_json, model_dir, cfg.calibration_samples)
+    hub = {"model_revision": args.revision, "model_commit": model_commit(model_dir)}
+    params = {"model": args.model, **{k: v for k, v in hub.items() if v}, **cfg.model_dump(mode="json")}
     with stage_run(experiment=args.experiment, stage="quantize", params=params,
                    run_file=default_run_file(args, "quantize"), results_dir=args.results_dir) as run:
         with atomic_dir(args.out) as tmp:
-            report = quantize_checkpoint(args.model, tmp, cfg.scheme, calibration_texts=texts,
+            report = quantize_checkpoint(model_dir, tmp, cfg.scheme, calibration_texts=texts,
                                          num_calibration_samples=cfg.calibration_samples,
                                          max_seq_length=cfg.max_seq_length)
             atomic_write_json(Path(tmp) / "quantize.json", report)

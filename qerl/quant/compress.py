@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from qerl.errors import QerlError
+from qerl.hub import check_checkpoint
 
 SCHEMES = {"nvfp4": "NVFP4A16", "nvfp4-awq": "NVFP4A16", "mxfp4": "MXFP4A16", "bf16": None, "nf4": None}
+GROUP_SIZE = {"nvfp4": 16, "nvfp4-awq": 16, "mxfp4": 32}  # weights sharing one scale, along in_features
 _SCALE_SUFFIXES = ("weight_scale", "weight_global_scale", "weight_zero_point", "input_global_scale")
 
 
@@ -92,10 +94,21 @@ def _rel_error(w: torch.Tensor, q: torch.Tensor) -> float:
     return float((w - q.detach().double()).norm() / w.norm().clamp(min=1e-30))
 
 
+def _check_group_size(model: nn.Module, scheme: str, model_path) -> None:
+    """Every quantized Linear's in_features must split into whole scale groups; llmcompressor fails deep inside
+    otherwise."""
+    group = GROUP_SIZE[scheme]
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name != "lm_head" and module.in_features % group:
+            raise QerlError(f"{model_path}: layer {name} has in_features {module.in_features}, not a multiple of "
+                            f"{group}: scheme {scheme} scales each group of {group} input weights together")
+
+
 def _quantize_llmcompressor(model_path, out_dir: Path, scheme, texts, num_samples, max_seq_length) -> dict:
     from llmcompressor import oneshot
 
     model, tokenizer = _load_dense(model_path, "auto")
+    _check_group_size(model, scheme, model_path)
     kwargs = {}
     if scheme == "nvfp4-awq":
         kwargs = dict(dataset=_calibration_dataset(tokenizer, texts, num_samples, max_seq_length),
@@ -198,9 +211,7 @@ def quantize_checkpoint(model_path, out_dir, scheme: str, calibration_texts=None
     """Quantize model_path into out_dir (compressed-tensors, save_compressed) and return the quantize report."""
     if scheme not in SCHEMES:
         raise QerlError(f"scheme: {scheme!r} is not one of {sorted(SCHEMES)}")
-    model_path, out_dir = Path(model_path), Path(out_dir)
-    if not (model_path / "config.json").is_file():
-        raise QerlError(f"model_path: {model_path}/config.json not found (expected a local HF checkpoint)")
+    model_path, out_dir = check_checkpoint(model_path, "model_path"), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if scheme == "bf16":

@@ -10,7 +10,6 @@ biases, an untied lm_head) in `dtype`. A dense copy of a quantized weight never 
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from qerl.errors import QerlError
+from qerl.hub import check_checkpoint, read_json
 from qerl.quant.linear import FP4Linear
 
 SUPPORTED_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
@@ -29,7 +29,7 @@ def _read_config(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise QerlError(f"{cfg_file}: not found (expected a HF checkpoint directory)")
-    return json.loads(cfg_file.read_text())
+    return read_json(cfg_file)
 
 
 def is_quantized_checkpoint(path: str | Path) -> bool:
@@ -100,7 +100,7 @@ def _materialize_computed_buffers(model: nn.Module, device) -> None:
 def _checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        return [path / f for f in sorted(set(read_json(index)["weight_map"].values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise QerlError(f"{path}: no *.safetensors files")
@@ -136,6 +136,7 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32, d
     path = Path(path)
     cfg_file = path / "config.json"
     raw = _read_config(path)
+    check_checkpoint(path)  # weight files readable, model_type known: one line before any tensor is read
     if "quantization_config" not in raw:
         raise QerlError(f"{cfg_file}: quantization_config missing (not a quantized checkpoint; quantize it first)")
     qcfg = raw["quantization_config"]
