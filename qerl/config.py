@@ -226,6 +226,8 @@ class ExperimentConfig(_Section):
 
     @model_validator(mode="after")
     def _mode_needs_scheme(self):
+        if self.model_revision and (self.model.startswith(("/", ".", "~", "resources/")) or Path(self.model).exists()):
+            raise ValueError(f"model_revision is for hub names; {self.model!r} is a local path")
         fp4 = self.quantize.scheme in ("nvfp4", "nvfp4-awq", "mxfp4")
         if self.train.mode == "qlora_fp4" and not fp4:
             raise ValueError("train.mode qlora_fp4 needs quantize.scheme nvfp4, nvfp4-awq or mxfp4")

@@ -85,7 +85,7 @@ def evaluate_variant(variant: str, path: str, cfg, benchmarks: list, records_dir
             t0 = time.perf_counter()
             summary, per_problem = evaluate_benchmark(engine, tok, records, kind=spec.kind, template=template,
                                                       sampling=sampling, k=k, batch_size=cfg.batch_size,
-                                                      grading_timeout_s=getattr(cfg, "grading_timeout_s", 1.0))
+                                                      grading_timeout_s=cfg.grading_timeout_s)
             key = result_key(entry.name, variant, mode)
             rec_path = records_dir / f"{key.replace('/', '_')}.jsonl"
             rec_path.parent.mkdir(parents=True, exist_ok=True)

@@ -184,7 +184,7 @@ class GRPOTrainer:
 
         total = torch.zeros(len(texts))
         metrics, stats = {}, GradingStats()
-        limit = getattr(self.cfg, "grading_timeout_s", 1.0)  # seconds per completion; past it the reward is 0
+        limit = self.cfg.grading_timeout_s  # seconds per completion; past it the reward is 0
         for name, fn, weight in self.reward_fns:
             values = torch.tensor(call_reward(fn, texts, answers=answers, kind=self.cfg.data.answer_kind,
                                               timeout_s=limit, stats=stats), dtype=torch.float32)

@@ -62,6 +62,7 @@ def test_shell_syntax_as_a_model_name_is_refused():
     (lambda e: e["train"].update(learning_rate=float("inf")), "learning_rate"),
     (lambda e: e["train"].update(max_grad_norm=float("nan")), "max_grad_norm"),
     (lambda e: e["train"].update(grading_timeout_s=0), "grading_timeout_s"),
+    (lambda e: e.update(model_revision="v1"), "model_revision is for hub names"),
 ])
 def test_late_failures_are_caught_at_parse_time(mutate, where):
     raw = repo_config()
