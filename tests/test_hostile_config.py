@@ -127,8 +127,8 @@ def test_experiment_names_are_matched_literally_by_the_wildcard(tmp_path):
 def test_shell_syntax_in_a_model_path_runs_nothing(tmp_path):
     """A local model path holding `$(...)` reaches the stage as one quoted word: the command never runs."""
     raw = repo_config()
-    marker = tmp_path / "PWNED"
-    model_dir = tmp_path / f"m$(touch {marker})"
+    marker = tmp_path / "PWNED"  # the rules run in tmp_path, so an executed `touch PWNED` would create it
+    model_dir = tmp_path / "m$(touch PWNED)"
     model_dir.mkdir()  # exists, so it is an input, but it is not a model: quantize fails with one line
     e = demo(raw)
     e["model"] = str(model_dir)
