@@ -1,5 +1,5 @@
 # qerl: quantize -> train (GRPO + AQN on NVFP4) -> merge -> evaluate, one {experiment} per config entry.
-#   snakemake --cores 1                               # the offline demo (config: default_target)
+#   snakemake --cores 1                               # the CPU demo (config: default_target)
 #   snakemake --cores 1 results/qwen7b/eval.json      # one experiment
 #   snakemake --profile workflow/profiles/slurm all_experiments
 from snakemake.utils import min_version, validate
@@ -19,7 +19,12 @@ validate(CFG.model_dump(mode="json"), "workflow/schemas/config.schema.yaml", set
 
 onstart:
     # the MLflow store is created once, before parallel jobs could race to create and migrate it
-    shell("{PYTHON:q} -m qerl.tracking init --results-dir {RESULTS:q}")
+    shell("{PYTHON:q} -m qerl.tracking init {MLFLOW}")
+
+
+onsuccess:
+    # a run ends with the accuracies it wrote; each job's output is in logs/<experiment>/<stage>.log
+    print_new_results()
 
 
 include: "workflow/rules/resources.smk"

@@ -147,8 +147,9 @@ class TrainConfig(_Section):
     lora: LoraSection = Field(default_factory=LoraSection)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
-    save_steps: int = Field(50, ge=1)
-    logging_steps: int = Field(1, ge=1)
+    save_steps: int = Field(50, ge=1, description="checkpoint every N steps (and at the last)")
+    logging_steps: int = Field(1, ge=1, description="MLflow gets each metric's mean over every N steps (TRL's "
+                               "logging_steps); metrics.csv keeps every step")
     grading_timeout_s: float = Field(1.0, gt=0, le=60, description="wall-time limit of one completion's reward "
                                      "(extraction + math-verify); a completion over it gets reward 0 and is "
                                      "counted in rewards/grading_timeouts")
@@ -237,8 +238,18 @@ class ExperimentConfig(_Section):
 
 
 class MlflowConfig(_Section):
-    tracking_uri: str | None = Field(None, description="None: sqlite file under results/; env var wins")
-    experiment_name: str = "qerl"
+    tracking_uri: str | None = Field(None, min_length=1, description="None: sqlite:///<results_dir>/mlflow.db; "
+                                     "the environment's MLFLOW_TRACKING_URI wins")
+    experiment_name: str = Field("qerl", min_length=1, description="MLflow experiment of every stage's run")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, uri: str | None) -> str | None:
+        # the URI is a word of every job's command line, which Snakemake prints and logs
+        if uri and "@" in uri.split("://", 1)[-1].split("/", 1)[0]:
+            raise ValueError("holds credentials; put them in MLFLOW_TRACKING_USERNAME/PASSWORD (or the "
+                             "MLFLOW_TRACKING_URI environment variable), not in the config")
+        return uri
 
 
 class Config(_Section):
@@ -254,10 +265,15 @@ class Config(_Section):
     @field_validator("experiments")
     @classmethod
     def _safe_names(cls, experiments):
+        from qerl.paths import RESERVED_NAMES
+
         for name in experiments:
             if not EXPERIMENT_NAME.match(name):
                 raise ValueError(f"experiment name {name!r} must match {EXPERIMENT_NAME.pattern} (it becomes "
                                  "a directory under results/ and a word on the command line)")
+            if name in RESERVED_NAMES:
+                raise ValueError(f"experiment name {name!r} is taken by results/{name}/ (reserved: "
+                                 f"{', '.join(sorted(RESERVED_NAMES))})")
         return experiments
 
     @model_validator(mode="after")

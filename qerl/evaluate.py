@@ -18,7 +18,8 @@ from pathlib import Path
 
 from qerl.errors import QerlError
 from qerl.hub import check_checkpoint, model_commit, resolve_model
-from qerl.stage import default_run_file, load_section, run_main, stage_parser
+from qerl.paths import eval_records_dir
+from qerl.stage import default_run_file, load_section, run_main, stage_parser, tracking_args
 
 log = logging.getLogger("qerl.evaluate")
 
@@ -102,6 +103,15 @@ def evaluate_variant(variant: str, path: str, cfg, benchmarks: list, records_dir
     return results
 
 
+def logged_params(cfg) -> dict:
+    """The eval section as MLflow params, less temperature/top_p when no sampled evaluation runs."""
+    params = cfg.model_dump(mode="json")
+    if not cfg.sampled:
+        for key in ("temperature", "top_p"):
+            params.pop(key)
+    return params
+
+
 def _variant_dirs(variants: list[str], paths: dict, revision: str | None) -> dict[str, Path]:
     """Each evaluated variant's checked local directory; --revision pins the base, the only hub-named one."""
     flags = {"trained": "--trained", "base": "--base", "quantized_base": "--quantized"}
@@ -132,12 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     from qerl.tracking import stage_run
 
     out = Path(args.out)
-    records_dir = out.parent / "eval_records"
+    records_dir = eval_records_dir(out)
     hub = {"model_revision": args.revision, "model_commit": model_commit(dirs["base"]) if "base" in dirs else None}
-    params = {**paths, **{k: v for k, v in hub.items() if v}, **cfg.model_dump(mode="json")}
+    params = {**paths, **{k: v for k, v in hub.items() if v}, **logged_params(cfg)}
     with stage_run(experiment=args.experiment, stage="evaluate", params=params,
-                   run_file=default_run_file(args, "evaluate"), results_dir=args.results_dir,
-                   upstream_run_file=args.upstream_run_file) as run:
+                   run_file=default_run_file(args, "evaluate"), **tracking_args(args)) as run:
         results = {}
         for variant in cfg.variants:
             results.update(evaluate_variant(variant, str(dirs[variant]), cfg, benchmarks, records_dir, run))

@@ -12,7 +12,7 @@ from pathlib import Path
 from qerl.errors import QerlError
 from qerl.hub import check_checkpoint, resolve_model
 from qerl.io import atomic_dir, atomic_write_json
-from qerl.stage import default_run_file, load_section, require_dir, run_main, stage_parser
+from qerl.stage import default_run_file, load_section, require_dir, run_main, stage_parser, tracking_args
 
 
 def copy_full_model(model_dir: str | Path, out_dir: str | Path, dtype) -> dict:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
     params = {"base": args.base, "adapter": args.adapter, "dtype": args.dtype, **cfg.model_dump(mode="json")}
     with stage_run(experiment=args.experiment, stage="merge", params=params, run_file=default_run_file(args, "merge"),
-                   results_dir=args.results_dir, upstream_run_file=args.upstream_run_file) as run:
+                   **tracking_args(args)) as run:
         full = not (Path(args.adapter) / "adapter_config.json").exists()
         if full and cfg.requantize:
             raise QerlError("merge.requantize: not available for full fine-tuning output; quantize it separately")

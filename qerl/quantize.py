@@ -15,7 +15,7 @@ from pathlib import Path
 
 from qerl.hub import check_checkpoint, model_commit, resolve_model
 from qerl.io import atomic_dir, atomic_write_json
-from qerl.stage import default_run_file, load_section, run_main, stage_parser
+from qerl.stage import default_run_file, load_section, run_main, stage_parser, tracking_args
 
 
 def _calibration_texts(data_json: str | None, model: Path, n: int) -> list[str]:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     hub = {"model_revision": args.revision, "model_commit": model_commit(model_dir)}
     params = {"model": args.model, **{k: v for k, v in hub.items() if v}, **cfg.model_dump(mode="json")}
     with stage_run(experiment=args.experiment, stage="quantize", params=params,
-                   run_file=default_run_file(args, "quantize"), results_dir=args.results_dir) as run:
+                   run_file=default_run_file(args, "quantize"), **tracking_args(args)) as run:
         with atomic_dir(args.out) as tmp:
             report = quantize_checkpoint(model_dir, tmp, cfg.scheme, calibration_texts=texts,
                                          num_calibration_samples=cfg.calibration_samples,

@@ -1,7 +1,9 @@
 """What every stage CLI shares: common arguments, loading its config section, one-line errors.
 
-A rule passes the stage's config section as JSON (--config-json); by hand, name the config file and the
-experiment instead (--config config/config.yaml --experiment demo).
+A rule passes the stage's config section as JSON (--config-json) and the config's results_dir and mlflow
+settings (--results-dir, --mlflow-experiment, --tracking-uri); by hand, name the config file and the experiment
+instead (--config config/config.yaml --experiment demo), and the defaults write where the rules would
+(qerl.paths).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from pydantic import BaseModel
 
 from qerl.config import load_config, parse_section
 from qerl.errors import QerlError
+from qerl.paths import Layout
+from qerl.tracking import add_mlflow_args
 
 
 def stage_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
@@ -22,10 +26,17 @@ def stage_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--experiment", required=True, help="experiment name (tags the MLflow run)")
     p.add_argument("--config-json", help="this stage's config section as JSON (what the rules pass)")
     p.add_argument("--config", help="a config file to read the section from (by hand)")
-    p.add_argument("--run-file", help="where to write this stage's MLflow run id (default: beside --out)")
+    p.add_argument("--run-file", help="where to write this stage's MLflow run id "
+                                      "(default: <results-dir>/<experiment>/runs/<stage>.json)")
     p.add_argument("--upstream-run-file", help="run id file of the stage that produced the input")
-    p.add_argument("--results-dir", default="results", help="holds the default MLflow store")
+    add_mlflow_args(p)
     return p
+
+
+def tracking_args(args: argparse.Namespace) -> dict:
+    """The keyword arguments of qerl.tracking.stage_run that every stage takes from its command line."""
+    return {"results_dir": args.results_dir, "mlflow_experiment": args.mlflow_experiment, "uri": args.tracking_uri,
+            "upstream_run_file": getattr(args, "upstream_run_file", None)}
 
 
 def load_section(args: argparse.Namespace, kind: str) -> BaseModel:
@@ -43,7 +54,7 @@ def load_section(args: argparse.Namespace, kind: str) -> BaseModel:
 def default_run_file(args: argparse.Namespace, stage: str) -> Path:
     if args.run_file:
         return Path(args.run_file)
-    return Path(args.results_dir) / args.experiment / "runs" / f"{stage}.json"
+    return Layout(args.results_dir).run_file(args.experiment, stage)
 
 
 def require_dir(path: str | Path, what: str, must_contain: tuple[str, ...] = ("config.json",)) -> Path:

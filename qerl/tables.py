@@ -2,6 +2,7 @@
 
     python -m qerl.tables --experiments-json results/tables/experiments.json --out-dir results/tables
     python -m qerl.tables --config-json "$(config as JSON)" --results-dir results --out-dir results/tables
+    python -m qerl.tables --summary results/demo/eval.json     # the accuracies of finished runs, on the console
 
 experiments.json maps an experiment name to
     {"row_key": "nvfp4_lora_aqn", "model_size": "7B", "eval_path": "results/qwen7b-nvfp4-lora-aqn/eval.json",
@@ -30,6 +31,8 @@ from typing import Any
 from qerl import paper
 from qerl.errors import QerlError
 from qerl.evaluation import Z95, find_result, load_eval_json
+from qerl.paths import Layout, eval_records_dir
+from qerl.tracking import add_mlflow_args, stage_run
 
 MISSING = "missing"
 NOT_REPORTED = "not reported"
@@ -331,16 +334,28 @@ def experiments_from_config(config: dict | str, results_dir: str | Path = "resul
             config = json.loads(config)
         except json.JSONDecodeError as exc:
             raise QerlError(f"--config-json: not valid JSON ({exc.msg})") from None
-    results = Path(results_dir)
+    layout = Layout(results_dir)
     out = {}
     for name, exp in (config.get("experiments", config) or {}).items():
         row = exp.get("row") or exp.get("row_key")
         if row:
             out[name] = {"row_key": row, "model_size": exp.get("model_size") or "",
-                         "eval_path": str(results / name / "eval.json"),
-                         "bench_path": str(results / "bench" / f"{name}.json"),
-                         "metrics_path": str(results / name / "adapter" / "metrics.csv")}
+                         "eval_path": str(layout.eval_json(name)), "bench_path": str(layout.bench_json(name)),
+                         "metrics_path": str(layout.metrics_csv(name))}
     return out
+
+
+def summary(eval_paths: list[str | Path]) -> str:
+    """A short console table of finished evaluations: one line per benchmark, variant and mode."""
+    lines = [f"{'experiment':<20} {'result':<32} {'accuracy [95% CI]':<24} {'problems x k':>12}"]
+    for path in eval_paths:
+        doc = load_eval_json(path)
+        for key, res in doc["benchmarks"].items():
+            cell = f"{fmt_ours(res)} %"
+            size = f"{res['n_problems']} x {res['k']}"
+            lines.append(f"{doc['experiment']:<20} {key:<32} {cell:<24} {size:>12}")
+        lines.append(f"  details: {path} (per problem: {eval_records_dir(path)}/)")
+    return "\n".join(lines)
 
 
 def _experiments_arg(args) -> dict[str, dict]:
@@ -362,18 +377,22 @@ def main(argv: list[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--experiments-json", help="file: {name: {row_key, model_size, eval_path, ...}}")
     source.add_argument("--config-json", help="workflow config JSON (text or file) with an 'experiments' map")
-    parser.add_argument("--results-dir", default="results", help="with --config-json: where results/<exp>/ live")
-    parser.add_argument("--out-dir", required=True)
+    source.add_argument("--summary", nargs="+", metavar="EVAL_JSON", help="print these results; write nothing")
+    parser.add_argument("--out-dir", help="where the tables go (default: <results-dir>/tables)")
     parser.add_argument("--no-plots", action="store_true")
+    add_mlflow_args(parser)
     args = parser.parse_args(argv)
     try:
+        if args.summary:
+            print(summary(args.summary))
+            return 0
         experiments = _experiments_arg(args)
-        from qerl.tracking import stage_run
-
-        run_file = Path(args.results_dir) / "tables" / "runs" / "tables.json"
+        layout = Layout(args.results_dir)
+        out_dir = args.out_dir or layout.tables()
         with stage_run(experiment="tables", stage="tables", params={"experiments": sorted(experiments)},
-                       run_file=run_file, results_dir=args.results_dir) as run:
-            written = render_tables(experiments, args.out_dir, plots=not args.no_plots)
+                       run_file=layout.tables_run_file(), results_dir=args.results_dir,
+                       mlflow_experiment=args.mlflow_experiment, uri=args.tracking_uri) as run:
+            written = render_tables(experiments, out_dir, plots=not args.no_plots)
             for path in written.values():
                 run.log_artifact(path)
     except QerlError as exc:

@@ -4,9 +4,12 @@ One MLflow run per stage and experiment, named "<experiment>/<stage>", tagged qe
 qerl.git_commit, qerl.upstream_run_id (the run of the stage that produced this stage's input) and qerl.host,
 qerl.pid, qerl.pid_start (the process, so a later run can tell a dead run from a live one), all in one
 MLflow experiment so `mlflow.search_runs(filter_string="tags.`qerl.experiment` = 'demo'")` lists a pipeline.
-Default store: sqlite:///<results>/mlflow.db with artifacts under <results>/mlartifacts; MLFLOW_TRACKING_URI
-(e.g. a shared `mlflow server`) overrides it. Each stage writes `<results>/<experiment>/runs/<stage>.json`
-({run_id, tracking_uri, experiment_id}) next to its output; the next stage reads it to link the runs.
+Default store: sqlite:///<results>/mlflow.db with artifacts under <results>/mlartifacts; the config's
+mlflow.tracking_uri (each stage's --tracking-uri) replaces it, and MLFLOW_TRACKING_URI (e.g. a shared
+`mlflow server`) overrides both. The MLflow experiment is the config's mlflow.experiment_name (--mlflow-experiment),
+created as a "Machine learning" experiment so the MLflow UI opens on its runs rather than its GenAI view.
+Each stage writes `<results>/<experiment>/runs/<stage>.json` ({run_id, tracking_uri, experiment_id}) next to
+its output; the next stage reads it to link the runs.
 
 A sqlite store is created and migrated by one process at a time (an flock on `.<db>.lock` beside it), in a
 temporary file renamed into place, so parallel stages or a Ctrl-C never leave a half-migrated store; the
@@ -38,15 +41,20 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from qerl.errors import QerlError
 from qerl.io import atomic_file, atomic_write_text, owner_tag, process_alive
+from qerl.paths import Layout
 
 EXPERIMENT_NAME = "qerl"
+# The MLflow UI (3.x) shows an experiment by its kind; without this tag it opens the GenAI view ("No data").
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
-def tracking_uri(results_dir: str | Path = "results") -> str:
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
-    return f"sqlite:///{Path(results_dir).resolve() / 'mlflow.db'}"
+def default_uri(results_dir: str | Path = "results") -> str:
+    return f"sqlite:///{Layout(results_dir).mlflow_db().resolve()}"
+
+
+def tracking_uri(results_dir: str | Path = "results", configured: str | None = None) -> str:
+    """MLFLOW_TRACKING_URI, else the config's mlflow.tracking_uri, else the sqlite store under results_dir."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or configured or default_uri(results_dir)
 
 
 def _use_uri(mlflow, uri: str) -> None:
@@ -205,17 +213,22 @@ def _create_sqlite_store(db: Path, artifact_root: str) -> None:
         getattr(SqlAlchemyStore, "_engine_map", {}).pop(tmp_uri, None)  # the engine cache would keep it open
 
 
-def _artifact_root(results_dir: Path) -> str | None:
-    if os.environ.get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_ARTIFACT_ROOT"):
+def _artifact_root(results_dir: Path, uri: str) -> str | None:
+    """mlartifacts beside a sqlite store (results/mlartifacts for the default one; without it MLflow would use
+    ./mlruns of whatever directory the job ran in); a server, another database or MLFLOW_ARTIFACT_ROOT decides."""
+    db = _sqlite_path(uri)
+    if db is None or os.environ.get("MLFLOW_ARTIFACT_ROOT"):
         return None
-    return (results_dir.resolve() / "mlartifacts").as_uri()
+    if uri == default_uri(results_dir):
+        return Layout(results_dir).mlartifacts().resolve().as_uri()
+    return (db.parent.resolve() / "mlartifacts").as_uri()
 
 
 def _open_store(mlflow, uri: str, results_dir: Path) -> None:
     """Point mlflow at the store, creating a missing (or empty) sqlite file first; call under _store_lock."""
     db = _sqlite_path(uri)
     if db is not None and (not db.exists() or db.stat().st_size == 0):
-        _create_sqlite_store(db, _artifact_root(results_dir) or (db.parent.resolve() / "mlartifacts").as_uri())
+        _create_sqlite_store(db, _artifact_root(results_dir, uri) or (db.parent.resolve() / "mlartifacts").as_uri())
     _use_uri(mlflow, uri)
     if db is None:
         return
@@ -226,26 +239,32 @@ def _open_store(mlflow, uri: str, results_dir: Path) -> None:
                         "move it away to start a new one") from None
 
 
-def _experiment_id(mlflow, results_dir: Path, name: str) -> str:
+def _experiment_id(mlflow, results_dir: Path, uri: str, name: str) -> str:
     exp = mlflow.get_experiment_by_name(name)
     if exp is not None:
+        for key, value in EXPERIMENT_KIND.items():  # a store made before the tag; a kind the user chose stays
+            if key not in exp.tags:
+                mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, key, value)
         return exp.experiment_id
     try:
-        return mlflow.create_experiment(name, artifact_location=_artifact_root(results_dir))
+        return mlflow.create_experiment(name, artifact_location=_artifact_root(results_dir, uri),
+                                        tags=EXPERIMENT_KIND)
     except Exception:  # another client of a shared server created it concurrently
         return mlflow.get_experiment_by_name(name).experiment_id
 
 
-def ensure_store(results_dir: str | Path = "results", mlflow_experiment: str = EXPERIMENT_NAME) -> str:
-    """Create (and migrate) the tracking store and its MLflow experiment once; return the redacted URI."""
+def ensure_store(results_dir: str | Path = "results", mlflow_experiment: str = EXPERIMENT_NAME,
+                 uri: str | None = None) -> str:
+    """Create (and migrate) the tracking store and its MLflow experiment once; return the redacted URI.
+    uri: the config's mlflow.tracking_uri (MLFLOW_TRACKING_URI still wins)."""
     import mlflow
 
     results_dir = Path(results_dir)
-    uri = tracking_uri(results_dir)
+    uri = tracking_uri(results_dir, uri)
     check_tracking_server(uri)
     with _secrets_masked(uri), _store_lock(uri):
         _open_store(mlflow, uri, results_dir)
-        _experiment_id(mlflow, results_dir, mlflow_experiment)
+        _experiment_id(mlflow, results_dir, uri, mlflow_experiment)
     return redact_uri(uri)
 
 
@@ -321,18 +340,19 @@ def read_run_file(path: str | Path | None) -> str | None:
 @contextmanager
 def stage_run(*, experiment: str, stage: str, params: dict[str, Any], run_file: str | Path,
               results_dir: str | Path = "results", upstream_run_file: str | Path | None = None,
-              mlflow_experiment: str = EXPERIMENT_NAME) -> Iterator[StageRun]:
-    """Open the MLflow run of one stage; on success write run_file (the link the next stage reads)."""
+              mlflow_experiment: str = EXPERIMENT_NAME, uri: str | None = None) -> Iterator[StageRun]:
+    """Open the MLflow run of one stage; on success write run_file (the link the next stage reads).
+    uri: the config's mlflow.tracking_uri (MLFLOW_TRACKING_URI still wins)."""
     import mlflow
 
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
-    uri = tracking_uri(results_dir)
+    uri = tracking_uri(results_dir, uri)
     check_tracking_server(uri)
     with _secrets_masked(uri):
         with _store_lock(uri):
             _open_store(mlflow, uri, results_dir)
-            exp_id = _experiment_id(mlflow, results_dir, mlflow_experiment)
+            exp_id = _experiment_id(mlflow, results_dir, uri, mlflow_experiment)
         tags = {"qerl.experiment": experiment, "qerl.stage": stage, "qerl.git_commit": git_commit(),
                 **_owner_tags()}
         upstream = read_run_file(upstream_run_file)
@@ -351,11 +371,11 @@ def stage_run(*, experiment: str, stage: str, params: dict[str, Any], run_file: 
 
 
 def find_stage_runs(experiment: str, results_dir: str | Path = "results",
-                    mlflow_experiment: str = EXPERIMENT_NAME) -> list[dict[str, Any]]:
+                    mlflow_experiment: str = EXPERIMENT_NAME, uri: str | None = None) -> list[dict[str, Any]]:
     """Runs of one qerl experiment, as dicts (used by tests and tables); a missing sqlite store has none."""
     import mlflow
 
-    uri = tracking_uri(results_dir)
+    uri = tracking_uri(results_dir, uri)
     db = _sqlite_path(uri)
     if db is not None and not db.exists():
         return []
@@ -372,15 +392,23 @@ def find_stage_runs(experiment: str, results_dir: str | Path = "results",
             for r in runs]
 
 
+def add_mlflow_args(p: argparse.ArgumentParser) -> None:
+    """The tracking options every stage takes; the rules set them from the config's results_dir and mlflow."""
+    p.add_argument("--results-dir", default="results", help="holds the default MLflow store (and results/<exp>/)")
+    p.add_argument("--mlflow-experiment", default=EXPERIMENT_NAME, help="MLflow experiment the runs go to")
+    p.add_argument("--tracking-uri", help="MLflow store (default: sqlite:///<results-dir>/mlflow.db); the "
+                                          "environment's MLFLOW_TRACKING_URI wins over it")
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m qerl.tracking init --results-dir results`: create the store before any job starts."""
     p = argparse.ArgumentParser(prog="python -m qerl.tracking", description=main.__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     init = sub.add_parser("init", help="create and migrate the tracking store and the MLflow experiment")
-    init.add_argument("--results-dir", default="results", help="holds the default sqlite store")
+    add_mlflow_args(init)
     args = p.parse_args(argv)
     try:
-        print(f"MLflow store ready: {ensure_store(args.results_dir)}")
+        print(f"MLflow store ready: {ensure_store(args.results_dir, args.mlflow_experiment, args.tracking_uri)}")
     except QerlError as err:
         sys.stderr.write(f"error: {err}\n")
         sys.exit(2)

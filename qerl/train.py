@@ -1,11 +1,13 @@
 """Stage 2: GRPO/DAPO training of LoRA adapters over the frozen (NVFP4) base, with AQN.
 
     python -m qerl.train --experiment demo --model results/demo/quantized --out results/demo/adapter \
-        --checkpoint-dir results/demo/checkpoints --resume --config config/config.yaml
+        --resume --config config/config.yaml
 
 Writes the PEFT adapter (or, for train.mode full, the whole model) plus trainer_state.json (log history),
-metrics.csv and training_curves.png; checkpoints every train.save_steps into
-<checkpoint-dir>/<fingerprint[:16]>/step-NNNNNN (qerl.checkpoint: the fingerprint covers the train config, the data
+metrics.csv and training_curves.png, all with every step; MLflow gets each metric's mean over every
+train.logging_steps steps (TRL's logging_steps), and the log a line per logging step. Checkpoints every
+train.save_steps into <checkpoint-dir> (default: <results-dir>/<experiment>/checkpoints, the rule's)
+/<fingerprint[:16]>/step-NNNNNN (qerl.checkpoint: the fingerprint covers the train config, the data
 and the model). --resume continues from the newest checkpoint of the same fingerprint, and starts fresh when there
 is none: a changed config never resumes another config's checkpoint. The data are read and validated first, so a
 bad data file fails in seconds.
@@ -16,10 +18,12 @@ import csv
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 from qerl.errors import QerlError
 from qerl.io import atomic_dir
-from qerl.stage import default_run_file, load_section, require_dir, run_main, stage_parser
+from qerl.paths import Layout
+from qerl.stage import default_run_file, load_section, require_dir, run_main, stage_parser, tracking_args
 
 log = logging.getLogger("qerl.train")
 
@@ -85,6 +89,29 @@ def _setup_model(cfg, model_dir: str):
                        train_norms=cfg.train_norms, gradient_checkpointing=cfg.gradient_checkpointing)
 
 
+class LoggingWindow:
+    """Forwards each metric's mean over every `every` steps (and over the steps left at the last one), as TRL's
+    logging_steps does, and logs one progress line each time."""
+
+    def __init__(self, log_fn: Callable[[dict[str, float], int], None], every: int, total_steps: int):
+        self.log_fn, self.every, self.total_steps = log_fn, every, total_steps
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            if v is not None:
+                self.sums[k] = self.sums.get(k, 0.0) + float(v)
+                self.counts[k] = self.counts.get(k, 0) + 1
+        if step % self.every and step != self.total_steps:
+            return
+        means = {k: self.sums[k] / self.counts[k] for k in self.sums}
+        self.sums, self.counts = {}, {}
+        self.log_fn(means, step)
+        shown = " ".join(f"{k} {means[k]:.4g}" for k in ("reward", "entropy", "aqn/sigma", "timing/step") if k in means)
+        log.info("step %d/%d: %s", step, self.total_steps, shown)
+
+
 def write_history(history: list[dict], out_dir: Path) -> None:
     """metrics.csv (one row per step) and training_curves.png (reward, entropy, AQN sigma per step)."""
     keys = sorted({k for row in history for k in row})
@@ -122,11 +149,16 @@ def save_outputs(trainer, tokenizer, cfg, out: str) -> None:
         write_history(trainer.log_history, tmp)
 
 
+def checkpoint_dir(args) -> Path:
+    """--checkpoint-dir, else where the rule puts them, so a hand run resumes the rule's checkpoints."""
+    return Path(args.checkpoint_dir or Layout(args.results_dir).checkpoints(args.experiment))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = stage_parser("python -m qerl.train", __doc__)
     p.add_argument("--model", required=True, help="checkpoint to train on (results/<exp>/quantized)")
     p.add_argument("--out", required=True, help="adapter output directory")
-    p.add_argument("--checkpoint-dir", help="default: <out>.checkpoints")
+    p.add_argument("--checkpoint-dir", help="default: <results-dir>/<experiment>/checkpoints (as the rule)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint of the same config, data and model; start fresh if none")
     args = p.parse_args(argv)
@@ -140,18 +172,19 @@ def main(argv: list[str] | None = None) -> None:
 
     records = _load_data(cfg)  # before the model: a bad data file or reward name fails in seconds
     rewards = _setup_rewards(cfg)
-    checkpoints = _setup_checkpoints(cfg, records, args.model, Path(args.checkpoint_dir or f"{args.out}.checkpoints"),
-                                     args.resume)
+    checkpoints = _setup_checkpoints(cfg, records, args.model, checkpoint_dir(args), args.resume)
     torch.manual_seed(cfg.seed)
     params = {"model": args.model, **cfg.model_dump(mode="json")}
     with stage_run(experiment=args.experiment, stage="train", params=params, run_file=default_run_file(args, "train"),
-                   results_dir=args.results_dir, upstream_run_file=args.upstream_run_file) as run:
+                   **tracking_args(args)) as run:
         run.set_tags({"qerl.checkpoints": str(checkpoints.dir)})
         model, tokenizer = _setup_model(cfg, args.model)
         prompts, answers = _setup_data(cfg, tokenizer, records)
         trainer = GRPOTrainer(cfg, model, tokenizer, prompts, answers, rewards,
-                              checkpoint_dir=checkpoints.root, fingerprint=checkpoints.fingerprint,
-                              log_metrics=lambda m, s: run.log_metrics(m, step=s))
+                              checkpoint_dir=checkpoints.root, fingerprint=checkpoints.fingerprint)
+        # the window needs the trainer's step count to flush at the last step; resume replays through it too
+        trainer.log_metrics = LoggingWindow(lambda m, s: run.log_metrics(m, step=s), cfg.logging_steps,
+                                            trainer.total_steps)
         if args.resume:
             trainer.resume()
         history = trainer.train()

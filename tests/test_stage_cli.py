@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -74,12 +75,41 @@ def test_merge_of_full_fine_tuning_output_is_the_model_in_bf16(tiny_model_dir, t
 
     from qerl.merge import main
 
+    from qerl.tracking import find_stage_runs
+
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    store = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"  # the config's mlflow section, as the rule passes it
     run_main(main, ["--experiment", "x", "--base", str(tiny_model_dir), "--adapter", str(tiny_model_dir),
-                    "--out", str(tmp_path / "merged"), "--config-json", "{}", "--results-dir", str(tmp_path)])
+                    "--out", str(tmp_path / "merged"), "--config-json", "{}", "--results-dir", str(tmp_path),
+                    "--mlflow-experiment", "probe-exp", "--tracking-uri", store])
+    assert [r["stage"] for r in find_stage_runs("x", tmp_path, mlflow_experiment="probe-exp", uri=store)] == ["merge"]
+    assert not (tmp_path / "mlflow.db").exists()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert merged.dtype == torch.bfloat16
     for (name, a), b in zip(merged.state_dict().items(), ref.state_dict().values()):
         assert torch.equal(a, b.to(torch.bfloat16)), name
     assert json.loads((tmp_path / "merged" / "merge.json").read_text())["mode"] == "full"
+
+
+def test_evaluate_logs_the_sampling_settings_only_of_a_sampled_evaluation():
+    from qerl.config import parse_section
+    from qerl.evaluate import logged_params
+
+    greedy = logged_params(parse_section("eval", dict(EVAL_CFG, greedy=True, sampled=False)))
+    assert "temperature" not in greedy and "top_p" not in greedy and greedy["greedy"] is True
+    sampled = logged_params(parse_section("eval", dict(EVAL_CFG, sampled=True, temperature=0.7, top_p=0.9)))
+    assert (sampled["temperature"], sampled["top_p"]) == (0.7, 0.9)
+
+
+def test_logging_steps_sends_the_mean_of_each_window_and_the_last_partial_one(caplog):
+    from qerl.train import LoggingWindow
+
+    logged = []
+    window = LoggingWindow(lambda m, s: logged.append((s, m)), every=3, total_steps=7)
+    with caplog.at_level(logging.INFO, logger="qerl.train"):
+        for step in range(1, 8):
+            window({"reward": float(step), "aqn/sigma": None if step == 1 else 0.5}, step)
+    assert [(s, m["reward"]) for s, m in logged] == [(3, 2.0), (6, 5.0), (7, 7.0)]
+    assert logged[0][1]["aqn/sigma"] == 0.5  # a metric missing at a step averages over the steps that have it
+    assert "step 3/7: reward 2" in caplog.text

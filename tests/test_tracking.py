@@ -71,6 +71,50 @@ def test_env_uri_overrides_default(monkeypatch, tmp_path):
     assert tracking.tracking_uri(tmp_path).startswith("sqlite:///")
 
 
+def test_the_configured_store_is_used_and_the_env_var_wins(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking.tracking_uri(tmp_path, "http://configured:5000") == "http://configured:5000"
+    assert tracking.tracking_uri(tmp_path, None) == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
+    assert tracking.tracking_uri(tmp_path, "http://configured:5000") == "http://env:5000"
+
+
+def test_stage_runs_go_to_the_configured_store_and_experiment(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    other = f"sqlite:///{tmp_path / 'elsewhere' / 'store.db'}"
+    run_file = tmp_path / "res" / "x" / "runs" / "quantize.json"
+    with tracking.stage_run(experiment="x", stage="quantize", params={}, run_file=run_file,
+                            results_dir=tmp_path / "res", mlflow_experiment="my-exp", uri=other):
+        pass
+    assert not (tmp_path / "res" / "mlflow.db").exists()
+    assert json.loads(run_file.read_text())["tracking_uri"] == other
+    runs = tracking.find_stage_runs("x", tmp_path / "res", mlflow_experiment="my-exp", uri=other)
+    assert [r["stage"] for r in runs] == ["quantize"]
+    assert mlflow.MlflowClient(tracking_uri=other).get_experiment_by_name("qerl") is None
+    assert (tmp_path / "elsewhere" / "mlartifacts").is_dir()  # beside that store, not under results/
+
+
+def test_the_experiment_opens_as_machine_learning_in_the_mlflow_ui(tmp_path, monkeypatch):
+    """MLflow 3's UI picks an experiment's view by the mlflow.experimentKind tag (without it: the GenAI view)."""
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    proc = subprocess.run([sys.executable, "-m", "qerl.tracking", "init", "--results-dir", str(tmp_path),
+                           "--mlflow-experiment", "kinds"], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri(tmp_path))
+    assert client.get_experiment_by_name("kinds").tags["mlflow.experimentKind"] == "custom_model_development"
+    old = client.create_experiment("untagged")  # a store made before the tag gets it on the next run
+    client.create_experiment("chosen", tags={"mlflow.experimentKind": "finetuning"})
+    for name in ("untagged", "chosen"):
+        tracking.ensure_store(tmp_path, name)
+    assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment_by_name("chosen").tags["mlflow.experimentKind"] == "finetuning"
+
+
 def test_default_store_does_not_leak_into_the_environment(tmp_path, monkeypatch):
     import os
 

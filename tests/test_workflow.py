@@ -1,6 +1,8 @@
 """The workflow's static contracts: the config parses, the schema is current, the paper experiment plans."""
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ import yaml
 
 from qerl.config import json_schema, load_config, parse_config, parse_section
 from qerl.errors import QerlError
+from qerl.paths import STAGES, Layout, log_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,9 +64,58 @@ def test_qerl_mode_needs_an_fp4_scheme():
         parse_config(raw)
 
 
-def test_paper_experiment_plans_all_four_stages_without_weights():
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "results/qwen7b/eval.json"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def plan() -> dict[tuple[str, str], str]:
+    """The dry run of the paper's qwen7b and the CPU demo: each planned job's text by (rule, experiment)."""
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "1", "results/qwen7b/eval.json",
+                           "results/demo/eval.json"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    jobs = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("rule ")]
-    assert sorted(j.rstrip(":") for j in jobs) == ["evaluate", "merge", "quantize", "train"]
+    jobs = {}
+    for block in proc.stdout.split("\nrule ")[1:]:
+        wildcard = re.search(r"wildcards: experiment=(\S+)", block)
+        jobs[(block.split(":")[0], wildcard.group(1) if wildcard else "")] = block
+    return jobs
+
+
+def test_paper_experiment_plans_all_four_stages_without_weights(plan):
+    assert sorted(rule for rule, exp in plan if exp == "qwen7b") == ["evaluate", "merge", "quantize", "train"]
+
+
+def test_cpu_training_asks_for_the_time_a_loaded_machine_needs(plan):
+    runtime = int(re.search(r"runtime=(\d+)", plan[("train", "demo")]).group(1))
+    assert runtime >= 60  # 41 min measured for the demo's 40 steps on a loaded 2-core machine
+
+
+def test_every_stage_gets_the_configs_mlflow_settings_and_the_layouts_paths(plan):
+    lay = Layout("results")
+    for stage in STAGES:
+        cmd = plan[(stage, "qwen7b")].split("Shell command:")[1].split("\n")[0]
+        words = shlex.split(cmd.split(">")[0])
+        assert words[words.index("--results-dir") + 1] == "results"
+        assert words[words.index("--mlflow-experiment") + 1] == "qerl"
+        assert words[words.index("--run-file") + 1] == str(lay.run_file("qwen7b", stage))
+        assert f"log: {log_file('qwen7b', stage)}" in plan[(stage, "qwen7b")]
+    train = shlex.split(plan[("train", "qwen7b")].split("Shell command:")[1].split(">")[0])
+    assert train[train.index("--checkpoint-dir") + 1] == str(lay.checkpoints("qwen7b"))
+    assert train[train.index("--out") + 1] == str(lay.adapter("qwen7b"))
+
+
+def test_the_run_ends_with_the_accuracies_on_the_console(tmp_path):
+    from qerl.evaluation import benchmark_entry, pass_at_1_stats, write_eval_json
+    from qerl.tables import main as tables_main
+
+    summary = {**pass_at_1_stats([[True], [False], [True], [True]]), "mode": "greedy", "kind": "numeric",
+               "template": "answer_line", "n_samples": 4, "mean_response_tokens": 3.0, "n_truncated": 0,
+               "sampling": {"temperature": 0.0}}
+    doc = {"experiment": "demo", "created": "2026-01-01T00:00:00+00:00", "model": {"path": "m"}, "engine": "torch",
+           "mlflow_run_id": "r", "benchmarks": {"demo/trained/greedy": benchmark_entry(
+               summary, benchmark="demo", variant="trained", model_path="m", per_problem_path="p", seconds=1.0)}}
+    path = write_eval_json(doc, tmp_path / "demo" / "eval.json")
+    proc = subprocess.run([sys.executable, "-m", "qerl.tables", "--summary", str(path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if "demo/trained/greedy" in line)
+    assert "75.0 [" in line and "4 x 1" in line
+    assert str(path) in proc.stdout
+    assert "print_new_results()" in (REPO / "Snakefile").read_text()  # called by the Snakefile's onsuccess
+    assert tables_main(["--summary", str(tmp_path / "nope.json")]) == 2

@@ -11,6 +11,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ("quantize", "train", "merge", "evaluate")
+MLFLOW_EXPERIMENT = "qerl-e2e"  # not the default: the config's mlflow section must reach every stage
 
 
 def tiny_config(tokenizer_dir: Path, data_dir: Path) -> dict:
@@ -18,6 +19,7 @@ def tiny_config(tokenizer_dir: Path, data_dir: Path) -> dict:
         "default_target": "tiny",
         "tokenizer_dir": str(tokenizer_dir),
         "data_dir": str(data_dir),
+        "mlflow": {"experiment_name": MLFLOW_EXPERIMENT},
         "experiments": {"tiny": {
             "model": "resources/tiny-qwen2",
             "model_size": "0.1B",
@@ -61,7 +63,28 @@ def pipeline(tmp_path_factory, tokenizer_dir, data_dir):
     if proc.returncode != 0:
         logs = "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in sorted((work / "logs").rglob("*.log")))
         pytest.fail(f"snakemake failed:\n{proc.stderr[-4000:]}\n{logs}")
+    (work / "stdout.txt").write_text(proc.stdout)  # Snakemake's own log is on stderr
     return work
+
+
+def test_the_run_ends_with_the_accuracies_and_where_the_logs_are(pipeline):
+    from qerl.evaluation import load_eval_json
+
+    console = (pipeline / "stdout.txt").read_text()
+    doc = load_eval_json(pipeline / "results" / "tiny" / "eval.json")
+    for key, res in doc["benchmarks"].items():
+        line = next((line for line in console.splitlines() if f" {key} " in line), None)
+        assert line and f"{100 * res['accuracy']:.1f} [" in line, console[-3000:]
+    assert "logs/<experiment>/<stage>.log" in console
+    assert (pipeline / "logs" / "tiny" / "train.log").read_text().count("step 3/3: reward") == 1
+
+
+def test_outputs_follow_the_layout(pipeline):
+    from qerl.paths import Layout
+
+    lay = Layout(pipeline / "results")
+    assert list(lay.checkpoints("tiny").glob("*/step-000002")), "checkpoints are not where qerl.paths puts them"
+    assert lay.eval_records("tiny").is_dir()
 
 
 def test_every_stage_output_exists(pipeline):
@@ -98,7 +121,7 @@ def test_one_mlflow_run_per_stage_with_params_metrics_artifacts(pipeline, monkey
     from qerl.tracking import find_stage_runs
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    runs = find_stage_runs("tiny", pipeline / "results")
+    runs = find_stage_runs("tiny", pipeline / "results", mlflow_experiment=MLFLOW_EXPERIMENT)
     assert sorted(r["stage"] for r in runs) == sorted(STAGES)
     by_stage = {r["stage"]: r for r in runs}
     for stage, run in by_stage.items():
@@ -114,6 +137,7 @@ def test_one_mlflow_run_per_stage_with_params_metrics_artifacts(pipeline, monkey
     upstream = json.loads((pipeline / "results" / "tiny" / "runs" / "train.json").read_text())["run_id"]
     client = mlflow.MlflowClient()
     assert client.get_run(links["merge"]["run_id"]).data.tags["qerl.upstream_run_id"] == upstream
+    assert client.get_experiment_by_name("qerl") is None  # nothing went to the default experiment
 
 
 def test_rerun_is_a_noop(pipeline):

@@ -1,12 +1,17 @@
 # Path and config helpers shared by the rules. The config is validated by qerl.config (one line naming the
 # bad key) before any rule is defined; the JSON Schema check in the Snakefile is the same contract.
+# Every path comes from qerl.paths, which the stage CLIs' defaults use too.
+import json
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from qerl.config import parse_config, section_json
 from qerl.errors import QerlError
+from qerl import paths
+from qerl.paths import Layout
 
 try:
     CFG = parse_config(config, where="config")
@@ -15,7 +20,20 @@ except QerlError as err:
     sys.exit(1)
 
 RESULTS = CFG.results_dir
+LAYOUT = Layout(RESULTS)
 PYTHON = CFG.python or sys.executable
+STARTED = time.time()
+
+
+def _mlflow_args():
+    """The tracking options every stage (and `qerl.tracking init`) gets, already shell-quoted."""
+    args = f"--results-dir {shlex.quote(RESULTS)} --mlflow-experiment {shlex.quote(CFG.mlflow.experiment_name)}"
+    if CFG.mlflow.tracking_uri:
+        args += f" --tracking-uri {shlex.quote(CFG.mlflow.tracking_uri)}"
+    return args
+
+
+MLFLOW = _mlflow_args()
 
 
 wildcard_constraints:
@@ -26,28 +44,32 @@ def exp(wildcards):
     return CFG.experiments[wildcards.experiment]
 
 
-def out(experiment, *parts):
-    return str(Path(RESULTS, experiment, *parts))
-
-
 def quantized_dir(experiment):
-    return out(experiment, "quantized")
+    return str(LAYOUT.quantized(experiment))
 
 
 def adapter_dir(experiment):
-    return out(experiment, "adapter")
+    return str(LAYOUT.adapter(experiment))
 
 
 def merged_dir(experiment):
-    return out(experiment, "merged")
+    return str(LAYOUT.merged(experiment))
 
 
 def eval_json(experiment):
-    return out(experiment, "eval.json")
+    return str(LAYOUT.eval_json(experiment))
 
 
 def run_file(stage):
-    return str(Path(RESULTS, "{experiment}", "runs", f"{stage}.json"))
+    return str(LAYOUT.run_file("{experiment}", stage))
+
+
+def log_file(stage):
+    return str(paths.log_file("{experiment}", stage))
+
+
+def benchmark_file(stage):
+    return str(paths.benchmark_file("{experiment}", stage))
 
 
 def model_input(wildcards):
@@ -115,7 +137,8 @@ def mem_mb_train(wildcards):
 
 
 def runtime_train(wildcards):
-    return 30 if gpus(wildcards) == 0 else 24 * 60
+    # the CPU demo trains in ~10 min alone on 2 cores and took 41 min on a loaded one
+    return 90 if gpus(wildcards) == 0 else 24 * 60
 
 
 def runtime_eval(wildcards):
@@ -128,8 +151,19 @@ def calibration_data_json(wildcards):
 
 
 def checkpoint_dir(wildcards):
-    return out(wildcards.experiment, "checkpoints")
+    return str(LAYOUT.checkpoints(wildcards.experiment))
 
 
-def experiments_json(wildcards):
-    return CFG.model_dump_json(include={"experiments"})
+def table_rows_json(wildcards):
+    """What the tables need of each experiment: its row and size (other edits must not rerun them)."""
+    rows = {name: {"row": e.row, "model_size": e.model_size} for name, e in CFG.experiments.items() if e.row}
+    return json.dumps({"experiments": rows}, sort_keys=True)
+
+
+def print_new_results():
+    """The accuracies of every eval.json this run wrote, so a run ends with its results on the console."""
+    from qerl.tables import summary
+
+    fresh = [p for p in map(LAYOUT.eval_json, CFG.experiments) if p.is_file() and p.stat().st_mtime >= STARTED]
+    if fresh:
+        print("\n" + summary(fresh) + "\nlogs of each stage: logs/<experiment>/<stage>.log", flush=True)

@@ -15,9 +15,9 @@ rule evaluate:
         revision=revision_arg,
         data_dir=CFG.data_dir,
     log:
-        "logs/{experiment}/evaluate.log",
+        log_file("evaluate"),
     benchmark:
-        "logs/{experiment}/evaluate.benchmark.tsv"
+        benchmark_file("evaluate")
     resources:
         mem_mb=mem_mb_train,
         runtime=runtime_eval,
@@ -26,4 +26,4 @@ rule evaluate:
         "{params.python:q} -m qerl.evaluate --experiment {wildcards.experiment:q} --trained {input.merged:q}"
         " --quantized {input.quantized:q} --base {params.base:q} {params.revision} --data-dir {params.data_dir:q}"
         " --out {output.eval:q} --config-json {params.cfg:q} --run-file {output.run:q}"
-        " --upstream-run-file {input.upstream:q} --results-dir {RESULTS:q} > {log:q} 2>&1"
+        " --upstream-run-file {input.upstream:q} {MLFLOW} > {log:q} 2>&1"

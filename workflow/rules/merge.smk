@@ -9,9 +9,9 @@ rule merge:
     params:
         cfg=stage_json("merge"),
     log:
-        "logs/{experiment}/merge.log",
+        log_file("merge"),
     benchmark:
-        "logs/{experiment}/merge.benchmark.tsv"
+        benchmark_file("merge")
     resources:
         mem_mb=mem_mb_quantize,
         runtime=30,
@@ -19,4 +19,4 @@ rule merge:
     shell:
         "{PYTHON:q} -m qerl.merge --experiment {wildcards.experiment:q} --base {input.base:q}"
         " --adapter {input.adapter:q} --out {output.model:q} --config-json {params.cfg:q}"
-        " --run-file {output.run:q} --upstream-run-file {input.upstream:q} --results-dir {RESULTS:q} > {log:q} 2>&1"
+        " --run-file {output.run:q} --upstream-run-file {input.upstream:q} {MLFLOW} > {log:q} 2>&1"

@@ -10,9 +10,9 @@ rule quantize:
         cfg=stage_json("quantize"),
         data=calibration_data_json,
     log:
-        "logs/{experiment}/quantize.log",
+        log_file("quantize"),
     benchmark:
-        "logs/{experiment}/quantize.benchmark.tsv"
+        benchmark_file("quantize")
     resources:
         mem_mb=mem_mb_quantize,
         runtime=60,
@@ -20,4 +20,4 @@ rule quantize:
     shell:
         "{PYTHON:q} -m qerl.quantize --experiment {wildcards.experiment:q} --model {params.model:q} {params.revision}"
         " --out {output.model:q} --config-json {params.cfg:q} --calibration-data-json {params.data:q}"
-        " --run-file {output.run:q} --results-dir {RESULTS:q} > {log:q} 2>&1"
+        " --run-file {output.run:q} {MLFLOW} > {log:q} 2>&1"

@@ -5,7 +5,7 @@ rule smollm2_model:
     output:
         directory("resources/smollm2-135m-instruct"),
     log:
-        "logs/resources/smollm2.log",
+        str(paths.LOGS / "resources" / "smollm2.log"),
     resources:
         mem_mb=4000,
         runtime=10,
@@ -19,7 +19,7 @@ rule tiny_model:
     params:
         tokenizer=CFG.tokenizer_dir,
     log:
-        "logs/resources/tiny-qwen2.log",
+        str(paths.LOGS / "resources" / "tiny-qwen2.log"),
     resources:
         mem_mb=2000,
         runtime=5,
@@ -32,7 +32,7 @@ rule demo_task:
         train="resources/demo_task/train.jsonl",
         test="resources/demo_task/test.jsonl",
     log:
-        "logs/resources/demo_task.log",
+        str(paths.LOGS / "resources" / "demo_task.log"),
     resources:
         mem_mb=1000,
         runtime=5,

@@ -1,5 +1,5 @@
 # The paper's tables and training plots from every experiment that has finished (missing ones stay missing).
-TABLES = str(Path(RESULTS, "tables"))  # beside the experiments, wherever the config's results_dir puts them
+TABLES = str(LAYOUT.tables())  # beside the experiments, wherever the config's results_dir puts them
 
 
 def finished_evals(wildcards):
@@ -27,12 +27,11 @@ rule tables:
         ),
         report(f"{TABLES}/training_curves.png", category="Plots"),
     params:
-        experiments=experiments_json,
+        experiments=table_rows_json,
     log:
-        "logs/tables.log",
+        str(paths.LOGS / "tables.log"),
     resources:
         mem_mb=2000,
         runtime=10,
     shell:
-        "{PYTHON:q} -m qerl.tables --config-json {params.experiments:q} --results-dir {RESULTS:q}"
-        " --out-dir {TABLES:q} > {log:q} 2>&1"
+        "{PYTHON:q} -m qerl.tables --config-json {params.experiments:q} {MLFLOW} --out-dir {TABLES:q} > {log:q} 2>&1"

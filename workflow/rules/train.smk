@@ -11,9 +11,9 @@ rule train:
         python=train_python,
         checkpoints=checkpoint_dir,
     log:
-        "logs/{experiment}/train.log",
+        log_file("train"),
     benchmark:
-        "logs/{experiment}/train.benchmark.tsv"
+        benchmark_file("train")
     resources:
         mem_mb=mem_mb_train,
         runtime=runtime_train,
@@ -22,4 +22,4 @@ rule train:
         "{params.python:q} -m qerl.train --experiment {wildcards.experiment:q} --model {input.model:q}"
         " --out {output.adapter:q} --checkpoint-dir {params.checkpoints:q} --resume"
         " --config-json {params.cfg:q} --run-file {output.run:q} --upstream-run-file {input.upstream:q}"
-        " --results-dir {RESULTS:q} > {log:q} 2>&1"
+        " {MLFLOW} > {log:q} 2>&1"

@@ -1,0 +1,91 @@
+"""Where everything lives: the one definition of the results and logs layout.
+
+    results/<experiment>/quantized/          stage 1 output (quantize.json inside)
+    results/<experiment>/adapter/            stage 2 output (trainer_state.json, metrics.csv, training_curves.png)
+    results/<experiment>/checkpoints/        training checkpoints, <fingerprint>/step-NNNNNN (qerl.checkpoint)
+    results/<experiment>/merged/             stage 3 output (merge.json inside)
+    results/<experiment>/eval.json           stage 4 output; eval_records/ beside it holds per-problem JSONL
+    results/<experiment>/runs/<stage>.json   the MLflow run id of each stage (the link the next stage reads)
+    results/tables/                          the paper's tables and training curves (runs/tables.json)
+    results/bench/<experiment>.json          optional Table 3 inputs (speed, size)
+    results/mlflow.db, results/mlartifacts/  the default MLflow store
+    logs/<experiment>/<stage>.log            each job's output (and <stage>.benchmark.tsv: its time and memory)
+
+The Snakemake rules (workflow/rules/common.smk), the stage CLIs' defaults and qerl.tables all ask this module,
+so a stage run by hand writes where its rule would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+STAGES = ("quantize", "train", "merge", "evaluate")
+# Folders of results/ that are not experiments: an experiment of that name would share them.
+RESERVED_NAMES = frozenset({"tables", "bench", "mlartifacts"})
+EVAL_RECORDS = "eval_records"
+LOGS = Path("logs")
+
+
+def eval_records_dir(eval_json: str | Path) -> Path:
+    """Per-problem records live beside their eval.json, wherever --out puts it."""
+    return Path(eval_json).parent / EVAL_RECORDS
+
+
+def log_file(experiment: str, stage: str) -> Path:
+    return LOGS / experiment / f"{stage}.log"
+
+
+def benchmark_file(experiment: str, stage: str) -> Path:
+    return LOGS / experiment / f"{stage}.benchmark.tsv"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The results layout under one results directory (the config's results_dir)."""
+
+    results: Path = Path("results")
+
+    def __post_init__(self):
+        object.__setattr__(self, "results", Path(self.results))
+
+    def experiment(self, experiment: str) -> Path:
+        return self.results / experiment
+
+    def quantized(self, experiment: str) -> Path:
+        return self.experiment(experiment) / "quantized"
+
+    def adapter(self, experiment: str) -> Path:
+        return self.experiment(experiment) / "adapter"
+
+    def checkpoints(self, experiment: str) -> Path:
+        return self.experiment(experiment) / "checkpoints"
+
+    def merged(self, experiment: str) -> Path:
+        return self.experiment(experiment) / "merged"
+
+    def eval_json(self, experiment: str) -> Path:
+        return self.experiment(experiment) / "eval.json"
+
+    def eval_records(self, experiment: str) -> Path:
+        return eval_records_dir(self.eval_json(experiment))
+
+    def metrics_csv(self, experiment: str) -> Path:
+        return self.adapter(experiment) / "metrics.csv"
+
+    def run_file(self, experiment: str, stage: str) -> Path:
+        return self.experiment(experiment) / "runs" / f"{stage}.json"
+
+    def tables(self) -> Path:
+        return self.results / "tables"
+
+    def tables_run_file(self) -> Path:
+        return self.tables() / "runs" / "tables.json"
+
+    def bench_json(self, experiment: str) -> Path:
+        return self.results / "bench" / f"{experiment}.json"
+
+    def mlflow_db(self) -> Path:
+        return self.results / "mlflow.db"
+
+    def mlartifacts(self) -> Path:
+        return self.results / "mlartifacts"
