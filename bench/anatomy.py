@@ -2,8 +2,8 @@
 
     python -m bench.anatomy --out results/bench/kernel_anatomy.json [--shapes 18944x3584,3584x18944] [--rows 1,16]
 
-Variants of `qerl.quant.triton_fp4._fp4_mm_kernel` (default config of each shape), each in its own process because
-Triton caches a kernel per process with the helpers it was first compiled with:
+Variants of `qerl.quant.kernels.triton_fp4._fp4_mm_kernel` (default config of each shape), each in its own process
+because Triton caches a kernel per process with the helpers it was first compiled with:
   full         the kernel as shipped;
   cheap        the E2M1 decode replaced by a byte -> bf16 conversion (weights still loaded);
   no_w         no weight loads (codes made in registers from the indices), real decode;
@@ -31,7 +31,7 @@ def _patch(variant: str) -> None:
     import triton
     import triton.language as tl
 
-    from qerl.quant import triton_fp4 as tf
+    from qerl.quant.kernels import triton_fp4 as tf
 
     @triton.jit
     def cheap_dequant(p, s, BR: tl.constexpr, BC: tl.constexpr, USE_ASM: tl.constexpr):
@@ -58,7 +58,8 @@ def _patch(variant: str) -> None:
 
 def _worker(variant: str, shapes: list[tuple[int, int]], rows: list[int]) -> list[dict]:
     from bench.kernels import _copies, _fp4_weights, graph_time_us
-    from qerl.quant import triton_fp4 as tf
+    from qerl.quant.dispatch import run_fp4_matmul
+    from qerl.quant.kernels import triton_fp4 as tf
 
     _patch(variant)
     out = []
@@ -67,7 +68,7 @@ def _worker(variant: str, shapes: list[tuple[int, int]], rows: list[int]) -> lis
         fp4 = _fp4_weights(n, k, copies, 0)
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            us = graph_time_us(lambda i: tf.fp4_matmul_triton(x, *fp4[i]), copies)
+            us = graph_time_us(lambda i: run_fp4_matmul(x, *fp4[i], kernel="triton"), copies)
             out.append({"variant": variant, "N": n, "K": k, "M": m, "us": us,
                         "config": list(tf.forward_config(m, n, k, x.device))})
     return out

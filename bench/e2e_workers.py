@@ -121,14 +121,14 @@ def _profile_rollout(engine, prompts, batch: int, new_tokens: int, seed: int) ->
     Under programmatic dependent launch (QERL_PDL; on by default in Hopper CUDA graphs) a kernel starts before the
     one it depends on has finished and its profiled time includes that wait, so the kernel times add up to more
     than the step's wall time: take per-kernel breakdowns with QERL_PDL=0 (recorded as pdl_mode)."""
-    from qerl.quant import cuda_fp4
+    from qerl.quant.dispatch import pdl_mode
 
     chosen, n = _batch_of(prompts, batch)
     with _kernel_profile() as prof:
         row = _timed_generate(engine, chosen, n, new_tokens, seed)
     steps = max(1, new_tokens - 1)
     return {"batch": row["rows"], "new_tokens": new_tokens, "decode_calls": row["decode_calls"],
-            "seconds_profiled": row["seconds"], "pdl_mode": cuda_fp4.pdl_mode(),
+            "seconds_profiled": row["seconds"], "pdl_mode": pdl_mode(),
             "wall_us_per_step": row["seconds"] * 1e6 / steps, **_kernel_table(prof, steps, "step")}
 
 

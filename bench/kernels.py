@@ -102,19 +102,22 @@ def _fp4_weights(n: int, k: int, copies: int, seed: int):
 
 
 def fp4_kernel(x: torch.Tensor, weight_packed: torch.Tensor, n: int, k: int) -> str:
-    """Which forward `fp4_matmul_triton` takes for x (no LoRA, one segment): cuda (qerl.quant.cuda_fp4), triton
-    (the fused Triton kernel) or dense (chunked dequantize + cuBLAS)."""
-    from qerl.quant import cuda_fp4
-    from qerl.quant import triton_fp4 as tf
+    """Which forward qerl.quant.dispatch picks for x (NVFP4, no LoRA, one segment): cuda (kernels.cuda_fp4),
+    triton (the fused Triton kernel), dense (chunked dequantize + cuBLAS) or reference (off CUDA)."""
+    from qerl.quant import dispatch
+    from qerl.quant.kernels import cuda_fp4
+    from qerl.quant.kernels.device import device_index
 
-    if cuda_fp4.supports(x, weight_packed, n, k, n, n):
-        return "cuda"
-    return "dense" if tf._use_dense("auto", x.shape[0], None) else "triton"
+    cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else (0, 0)
+    return dispatch.choose_kernel("forward", x.device.type, cap, x.shape[0], dtype=x.dtype,
+                                  triton=lambda: dispatch._triton() is not None,
+                                  cuda_fits=lambda: cuda_fp4.fits(x, weight_packed, n, k, n, n),
+                                  cuda_builds=lambda: cuda_fp4.built(device_index(x.device)))
 
 
 def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bool = True) -> dict:
     """All timings of one (N, K) weight at M rows, with bandwidth and floor figures."""
-    from qerl.quant import triton_fp4 as tf
+    from qerl.quant.dispatch import run_fp4_matmul, run_fp4_matmul_t
 
     fp4_bytes = n * k // 2 + n * k // 16 + 4
     fp4 = _fp4_weights(n, k, _copies(fp4_bytes), seed)
@@ -124,10 +127,10 @@ def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bo
     g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     r = {"N": n, "K": k, "M": m}
     r["bf16_us"] = graph_time_us(lambda i: torch.matmul(x, wb[i].T), nb)
-    r["fp4_us"] = graph_time_us(lambda i: tf.fp4_matmul_triton(x, *fp4[i]), len(fp4))
+    r["fp4_us"] = graph_time_us(lambda i: run_fp4_matmul(x, *fp4[i]), len(fp4))
     r["fp4_kernel"] = fp4_kernel(x, fp4[0][0], n, k)
     r["bwd_bf16_us"] = graph_time_us(lambda i: torch.matmul(g, wb[i]), nb)
-    r["bwd_fp4_us"] = graph_time_us(lambda i: tf.fp4_matmul_t_triton(g, *fp4[i]), len(fp4))
+    r["bwd_fp4_us"] = graph_time_us(lambda i: run_fp4_matmul_t(g, *fp4[i]), len(fp4))
     if naive:
         r["naive_us"] = eager_time_us(
             lambda i: torch.matmul(x, dequantize_nvfp4(*fp4[i], dtype=torch.bfloat16).T), min(4, len(fp4)))
@@ -250,7 +253,7 @@ def run(models: list[str], rows_m: list[int], naive: bool, on_row=None) -> dict:
 
 
 # Candidate tiles per row bucket: (bm, bn, bk, warps, stages, maxnreg[, swap_ab]); split-K: none, 2 and 6 programs
-# per SM. "dense" = chunked dequantize + cuBLAS (qerl.quant.triton_dequant). The swap_ab tiles (W as the MMA's A
+# per SM. "dense" = chunked dequantize + cuBLAS (qerl.quant.kernels.triton_dequant). The swap_ab tiles (W as the MMA's A
 # operand) had 4.8-5.2 SASS instructions per weight against 5.8 for the few-row tile (sm_90 cubin, with the lookup-
 # table decode since replaced; the table-free decode takes that tile to 5.5); from 4 warps they run on Hopper's wgmma
 # with the dequantized W straight from registers (unswapped: W goes through smem). The first M <= 16 entry is the
@@ -283,16 +286,18 @@ def _bucket(m: int) -> int:
 
 def _candidates(tf, kind, m, n, k):
     """(label, kwargs) of every config to try for one shape."""
+    from qerl.quant.kernels.tiling import pick_split
+
     dev = torch.device("cuda")
     for cand in (SWEEP_FWD if kind == "fwd" else SWEEP_BWD)[_bucket(m)]:
         if cand == "dense":
-            yield "dense", {"path": "dense"}
+            yield "dense", {"kernel": "dense"}
             continue
         bm, bn, bk, warps, stages, maxnreg, *swap = cand
         tiles = math.ceil(m / bm) * (math.ceil(n / bn) if kind == "fwd" else k // bk)
         k_tiles = math.ceil(k / bk) if kind == "fwd" else math.ceil(n / bn)
-        splits = {1} if m > 64 else {1, tf._pick_split(tiles, k_tiles, dev, waves=2),
-                                     tf._pick_split(tiles, k_tiles, dev, waves=6)}
+        splits = {1} if m > 64 else {1, pick_split(tiles, k_tiles, dev, waves=2),
+                                     pick_split(tiles, k_tiles, dev, waves=6)}
         for sp in sorted(splits):
             cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages, 8, maxnreg, bool(swap and swap[0]))
             label = list(cfg)[:6] + ([maxnreg] if maxnreg else []) + (["swap"] if cfg.swap_ab else [])
@@ -311,14 +316,16 @@ def _try_config(kind, label, n, k, m, ref, call, copies) -> dict:
 
 
 def _sweep_one(tf, n, k, m, fp4, x, g, kinds=("fwd", "bwd")) -> list[dict]:
+    from qerl.quant.dispatch import run_fp4_matmul, run_fp4_matmul_t
+
     out = []
     ref = fp4_reference(x, *fp4[0])
     ref_t = fp4_reference(g, *fp4[0], transposed=True)
     for label, kw in _candidates(tf, "fwd", m, n, k) if "fwd" in kinds else ():
-        out.append(_try_config("fwd", label, n, k, m, ref, lambda i, kw=kw: tf.fp4_matmul_triton(
+        out.append(_try_config("fwd", label, n, k, m, ref, lambda i, kw=kw: run_fp4_matmul(
             x, *fp4[i], **kw), len(fp4)))
     for label, kw in _candidates(tf, "bwd", m, n, k) if "bwd" in kinds else ():
-        out.append(_try_config("bwd", label, n, k, m, ref_t, lambda i, kw=kw: tf.fp4_matmul_t_triton(
+        out.append(_try_config("bwd", label, n, k, m, ref_t, lambda i, kw=kw: run_fp4_matmul_t(
             g, *fp4[i], **kw), len(fp4)))
     return out
 
@@ -332,7 +339,7 @@ def fp4_reference(a: torch.Tensor, weight_packed, weight_scale, weight_global_sc
 
 def sweep(rows_m: list[int], kinds=("fwd", "bwd")) -> list[dict]:
     """Time every candidate config on the 7B shapes; prints the best per (kind, shape, M)."""
-    from qerl.quant import triton_fp4 as tf
+    from qerl.quant.kernels import triton_fp4 as tf
 
     results = []
     for seed, (layer, n, k, _) in enumerate(QWEN_LINEARS["7B"]):

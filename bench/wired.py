@@ -1,10 +1,10 @@
-"""The engine's stacked decode layer on qerl.quant.cuda_fp4, the few-row CUDA kernel (<= 8 rows on Hopper).
+"""The engine's stacked decode layer on qerl.quant.kernels.cuda_fp4, the few-row CUDA kernel (<= 8 rows on Hopper).
 
     python -m bench.wired --models 7B --rows 1,8 --lora-rank 32 --out results/bench/wired.json   # a CUDA GPU
 
 Per decoder-layer shape as the engine runs it (q|k|v and gate|up stacked): the kernel's chosen (cluster, warps),
 every other candidate with warps in --warps, the Triton kernel and bf16 torch.matmul, all in one process; and the
-whole fp4_matmul_triton call with bias and a rank --lora-rank LoRA (x @ A.T included) on either kernel. Every
+whole run_fp4_matmul call with bias and a rank --lora-rank LoRA (x @ A.T included) on either kernel. Every
 timed configuration is first checked against the float64 reference. `python -m bench.suite` runs it and compares
 the layer's total with bf16 (BENCHMARKS.md, "Kernels").
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from qerl.quant import cuda_fp4
+from qerl.quant.kernels import cuda_fp4
 
 LAYER_SHAPES = {  # (layer, N, K, stacked segments along N)
     "7B": [("q|k|v", 4608, 3584, (3584, 512, 512)), ("o", 3584, 3584, (3584,)),
@@ -25,12 +25,12 @@ LAYER_SHAPES = {  # (layer, N, K, stacked segments along N)
 
 
 def run_wired(models: list[str], rows_m: list[int], warps_list: list[int], lora_rank: int = 16) -> dict:
-    """qerl.quant.cuda_fp4 (the wired-in kernel) per decoder-layer shape: its chosen (cluster, warps), every other
-    candidate with warps in `warps_list`, the Triton kernel and bf16 torch.matmul, all in one process; and the
-    whole fp4_matmul_triton call with bias and a rank-`lora_rank` LoRA (x @ A.T included) on either kernel."""
+    """qerl.quant.kernels.cuda_fp4 (the wired-in kernel) per decoder-layer shape: its chosen (cluster, warps), every
+    other candidate with warps in `warps_list`, the Triton kernel and bf16 torch.matmul, all in one process; and the
+    whole run_fp4_matmul call with bias and a rank-`lora_rank` LoRA (x @ A.T included) on either kernel."""
     from bench.kernels import _copies, _environment, _fp4_weights, env_var, fp4_reference, graph_time_us
     from bench.kernels import measure_ceilings
-    from qerl.quant import triton_fp4 as tf
+    from qerl.quant.dispatch import run_fp4_matmul
 
     dev = torch.cuda.current_device()
     clusters = torch.cuda.get_device_capability(dev)[0] >= 9
@@ -50,7 +50,7 @@ def run_wired(models: list[str], rows_m: list[int], warps_list: list[int], lora_
                 chosen = cuda_fp4._config(dev, cuda_fp4._n_tiles(m), n, k)
                 row = {"model": model, "layer": layer, "N": n, "K": k, "M": m, "chosen": list(chosen),
                        "bf16_us": graph_time_us(lambda i: torch.matmul(x, wb[i].T), nb),
-                       "triton_us": graph_time_us(lambda i: tf.fp4_matmul_triton(x, *fp4[i], path="fused"),
+                       "triton_us": graph_time_us(lambda i: run_fp4_matmul(x, *fp4[i], kernel="triton"),
                                                   len(fp4)), "configs": []}
                 for cfg in cuda_fp4.candidate_configs(k, clusters):
                     if cfg != chosen and cfg[1] not in warps_list:
@@ -64,12 +64,12 @@ def run_wired(models: list[str], rows_m: list[int], warps_list: list[int], lora_
                         raise RuntimeError(f"{layer} M={m} config {cfg}: rel. error {err:.2e}")
                     row["configs"].append({"cluster": cfg[0], "warps": cfg[1], "us": graph_time_us(call, len(fp4)),
                                            "err": err})
-                for mode, path in (("triton", "fused"), ("cuda", "auto")):  # LoRA + bias, the whole call
+                for mode, kernel in (("triton", "triton"), ("cuda", None)):  # LoRA + bias, the whole call
                     with env_var("QERL_FP4_CUDA", "1"):
                         row[f"lora_{mode}_us"] = graph_time_us(
-                            lambda i, path=path: tf.fp4_matmul_triton(
+                            lambda i, kernel=kernel: run_fp4_matmul(
                                 x, fp4[i][0], fp4[i][1], gs, bias, lora_a, lora_b, 0.5,
-                                segments=list(segments), path=path), len(fp4))
+                                segments=list(segments), kernel=kernel), len(fp4))
                 best = min(row["configs"], key=lambda c: c["us"])
                 row["chosen_us"] = next(c["us"] for c in row["configs"]
                                         if (c["cluster"], c["warps"]) == tuple(chosen))

@@ -1,93 +1,225 @@
-"""The single dispatch point for matmuls against packed FP4 weights.
+"""The single dispatch point for matmuls against packed FP4 weights: `choose_kernel` is the rule, and every caller
+(FP4Linear, FP4LoraLinear, qerl.quant.grouped, qerl.fused_lora through FP4Linear.lora_base_ops) goes through the
+public functions below.
 
-`fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias)` = x @ deq(W).T (+ bias), and
-`fp4_matmul_t(grad_out, ...)` = grad_out @ deq(W) (the input gradient). On CUDA they call the Triton kernels of
-`qerl.quant.triton_fp4` (`_triton_fp4_matmul`, `_triton_fp4_matmul_t`) when that module imports; everywhere else a
-plain-torch reference dequantizes a block of output rows at a time, so no full dense copy of W ever exists.
-
-    from qerl.quant.kernels import fp4_matmul
+    from qerl.quant.dispatch import fp4_matmul
     y = fp4_matmul(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, layer.bias)
+
+fp4_matmul = x @ deq(W).T (+ bias); fp4_matmul_t = grad_out @ deq(W) (the input gradient); fp4_lora_matmul = the
+inference-only x @ deq(W).T + scale * (x @ A.T) @ B.T over up to three stacked weights; small_matmul = x @ w.T for a
+few rows and a narrow w (a stacked LoRA A). Each is a torch custom op (qerl::...), one opaque kernel to torch.compile
+and CUDA-graph capture; their eager bodies run_fp4_matmul / run_fp4_matmul_t also take `kernel` to force one
+(benchmarks and tests). The kernels live below, in qerl.quant.kernels, and never import this module.
 """
 from __future__ import annotations
 
 import functools
+import math
+import types
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from qerl.quant.format import dequantize
+from qerl.errors import QerlError
+from qerl.quant.kernels import cuda_fp4
+from qerl.quant.kernels.device import auto_on_off, capability, device_index, pdl_mode
+from qerl.quant.operands import check_operands, lora_adapter, segment_bounds
+from qerl.quant.reference import reference_fp4_lora_matmul, reference_fp4_matmul, reference_fp4_matmul_t
 
-# Elements of W dequantized at once by the reference path (16 MiB in float32): bounds the transient memory.
-CHUNK_ELEMENTS = 1 << 22
+__all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "KERNELS", "SMALL_MM_MAX_ROWS", "choose_kernel", "fp4_cuda_mode",
+           "fp4_lora_matmul", "fp4_matmul", "fp4_matmul_t", "pdl_mode", "run_fp4_matmul", "run_fp4_matmul_t",
+           "small_matmul"]
+
+AUTO_ROWS = 8  # QERL_FP4_CUDA=auto: at 9-16 rows the two-tile CUDA kernel lost to Triton (BENCHMARKS.md)
+DENSE_MIN_ROWS = 128  # from here chunked dequantize + cuBLAS beats the fused kernels (compute bound; H200)
+SMALL_MM_MAX_ROWS = 64  # small_matmul's Triton kernel: a LoRA A at decode (~2 cuBLAS kernels become one)
+SMALL_MM_MAX_N = 256
+KERNELS = ("reference", "cuda", "triton", "dense")
+
+
+def fp4_cuda_mode(environ=None) -> str:
+    """QERL_FP4_CUDA: "auto" (default), "1" or "0" (see choose_kernel)."""
+    return auto_on_off("QERL_FP4_CUDA", environ)
+
+
+def _fact(value) -> bool:
+    """A fact of choose_kernel: a bool, or a callable asked only when the rule gets to it (a build, an import)."""
+    return bool(value() if callable(value) else value)
+
+
+def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: int, *,
+                  dtype: torch.dtype = torch.bfloat16, w_dtype: torch.dtype | None = None, n: int = 0,
+                  nvfp4: bool = True, triton=True, cuda_fits=True, cuda_builds=True, k_ok: bool = True,
+                  environ=None) -> str:
+    """Which kernel computes `op` ("forward", "backward" or "small"), top row first:
+
+    op        | condition                                                        | rows M                | kernel
+    ----------|------------------------------------------------------------------|-----------------------|----------
+    all       | not CUDA, or Triton does not import (CPU images)                 | any                   | reference
+    fwd, bwd  | MXFP4 (scales not FP8), or sm < 8.9 (Triton's FP8 convert)       | any                   | reference
+    forward   | QERL_FP4_CUDA=auto (default): sm_90+, bf16 x, fits, and the      | 1 .. AUTO_ROWS (8)    | cuda
+              | module builds (else one warning, then the rows below)            |                       |
+    forward   | QERL_FP4_CUDA=1: bf16 x, fits (build errors raise)               | 1 .. MAX_ROWS (16)    | cuda
+    forward   | otherwise (QERL_FP4_CUDA=0, fp16/fp32 x, outside `fits`)         | < DENSE_MIN_ROWS (128)| triton
+    forward   |                                                                  | >= DENSE_MIN_ROWS     | dense
+    backward  | K % 64 == 0                                                      | < DENSE_MIN_ROWS      | triton
+    backward  | K % 64 != 0 (the fused grad_input's tile)                        | any                   | dense
+    backward  |                                                                  | >= DENSE_MIN_ROWS     | dense
+    small     | N <= 256, x and w both bf16 or both fp16 (any sm)                | <= SMALL_MM_MAX_ROWS  | triton
+    small     | otherwise                                                        | any                   | reference
+
+    "fits" (cuda_fp4.fits): K % 128, N and segment bounds % 16, 16-byte aligned rows. reference = plain torch
+    (qerl.quant.reference; x @ w.T for small), cuda = kernels.cuda_fp4, triton = kernels.triton_fp4's fused kernels
+    (small_matmul for small), dense = kernels.triton_dequant (chunked dequantize + cuBLAS). M = 0 launches nothing.
+    A bad QERL_FP4_CUDA is a ValueError on every CUDA forward. Launches of the cuda and triton kernels also read
+    QERL_PDL (kernels.device.use_pdl: programmatic dependent launch, by default on sm_90+ inside CUDA-graph capture).
+
+    triton, cuda_fits and cuda_builds may be callables, asked only when the rule reaches them, in that order."""
+    if device_type != "cuda" or not _fact(triton):
+        return "reference"
+    if op == "small":
+        small_dtypes = dtype in (torch.bfloat16, torch.float16) and (w_dtype or dtype) == dtype
+        return "triton" if rows <= SMALL_MM_MAX_ROWS and n <= SMALL_MM_MAX_N and small_dtypes else "reference"
+    if op not in ("forward", "backward"):
+        raise ValueError(f"op: expected forward, backward or small, got {op!r}")
+    if not nvfp4 or tuple(capability) < (8, 9):
+        return "reference"
+    if op == "forward" and _cuda_takes(capability, rows, dtype, cuda_fits, cuda_builds, environ):
+        return "cuda"
+    if rows >= DENSE_MIN_ROWS or (op == "backward" and not k_ok):
+        return "dense"
+    return "triton"
+
+
+def _cuda_takes(capability, rows, dtype, cuda_fits, cuda_builds, environ) -> bool:
+    how = fp4_cuda_mode(environ)
+    if how == "0" or dtype != torch.bfloat16:
+        return False
+    if not (0 < rows <= (AUTO_ROWS if how == "auto" else cuda_fp4.MAX_ROWS) and _fact(cuda_fits)):
+        return False
+    return how == "1" or (tuple(capability) >= (9, 0) and _fact(cuda_builds))
 
 
 @functools.cache
-def _triton_kernel(name: str):
-    """The Triton entry point `name`, or None when Triton or the kernel module is unavailable (CPU images)."""
+def _triton():
+    """The Triton kernel modules, or None when Triton is unavailable or fails to initialise (CPU images)."""
     try:
-        from qerl.quant import triton_fp4
+        from qerl.quant.kernels import triton_dequant, triton_fp4
     except Exception:  # ImportError, or Triton failing to initialise without a driver
         return None
-    return getattr(triton_fp4, name, None)
+    return types.SimpleNamespace(fp4=triton_fp4, dequant=triton_dequant)
 
 
-@functools.cache
-def _fp8_capable(device_index: int) -> bool:
-    """Triton converts float8_e4m3fn scales in registers from sm_89 on (Ada, Hopper, Blackwell); an A100 (sm_80)
-    cannot compile the kernels, so it takes the reference path."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+def _capability(t: torch.Tensor) -> tuple[int, int]:
+    return capability(device_index(t.device)) if t.is_cuda else (0, 0)
 
 
-def _use_triton(x: torch.Tensor, weight_scale: torch.Tensor, name: str):
-    """Triton only covers NVFP4 (FP8 scales) on CUDA GPUs of sm_89+; MXFP4, CPU tensors and older GPUs take the
-    reference path."""
-    if not x.is_cuda or weight_scale.dtype != torch.float8_e4m3fn:
-        return None
-    if not _fp8_capable(x.device.index if x.device.index is not None else torch.cuda.current_device()):
-        return None
-    return _triton_kernel(name)
+class _Prepared(NamedTuple):
+    """Checked operands of one GPU forward: x as (M, K), the output (M, N), segment bounds."""
+    x2: torch.Tensor
+    out: torch.Tensor
+    n: int
+    k: int
+    n1: int
+    n2: int
 
 
-def _row_chunks(n_rows: int, n_cols: int):
-    step = max(1, CHUNK_ELEMENTS // max(1, n_cols))
-    for start in range(0, n_rows, step):
-        yield start, min(n_rows, start + step)
+def _prepare(x, weight_packed, weight_scale, weight_global_scale, segments) -> _Prepared:
+    n, k = check_operands(x, weight_packed, weight_scale, weight_global_scale, 1, "x", segments)
+    x2 = x.reshape(-1, k)
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    n1, n2 = segment_bounds(segments, n, weight_global_scale) if x2.shape[0] else (n, n)
+    return _Prepared(x2, out, n, k, n1, n2)
 
 
-def _dequant_rows(weight_packed, weight_scale, weight_global_scale, start, stop, dtype):
-    return dequantize(weight_packed[start:stop], weight_scale[start:stop], weight_global_scale, dtype)
+def _check_kernel(kernel) -> None:
+    if kernel is not None and kernel not in KERNELS:
+        raise QerlError(f"kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}")
 
 
-def reference_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None):
-    """x @ deq(W).T (+bias) in x.dtype, dequantizing CHUNK_ELEMENTS of W at a time; bit-identical to nn.Linear on
-    the dequantized weight in x.dtype."""
-    n_out, n_in = weight_packed.shape[0], weight_packed.shape[1] * 2
-    out = x.new_empty(*x.shape[:-1], n_out)
-    bias = None if bias is None else bias.to(x.dtype)
-    for start, stop in _row_chunks(n_out, n_in):
-        w = _dequant_rows(weight_packed, weight_scale, weight_global_scale, start, stop, x.dtype)
-        # the bias goes into the GEMM (addmm) so the output is rounded once, as nn.Linear does
-        out[..., start:stop] = F.linear(x, w, None if bias is None else bias[start:stop])
-    return out
+def run_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None, lora_a=None, lora_b=None,
+                   lora_scale: float = 1.0, *, segments=None, kernel: str | None = None, config=None,
+                   use_asm: bool = True):
+    """x (..., K) @ deq(W).T (+ bias) (+ lora_scale * (x @ lora_a.T) @ lora_b.T) -> (..., N) in x.dtype, eagerly, on
+    the kernel of `choose_kernel` or the one named by `kernel`; a Triton tile `config` means kernel "triton",
+    use_asm=False (Triton's plain decode) leaves the CUDA kernel out. segments: sizes along N of up to three
+    weights stacked in W (one global scale each; lora_a stacks one (r, K) block per segment)."""
+    _check_kernel(kernel)
+    prepared = functools.cache(lambda: _prepare(x, weight_packed, weight_scale, weight_global_scale, segments))
+    if kernel is None and config is not None:
+        kernel = "triton"
+    if kernel is None:
+        kernel = choose_kernel(
+            "forward", x.device.type, _capability(x), math.prod(x.shape[:-1]), dtype=x.dtype,
+            nvfp4=weight_scale.dtype == torch.float8_e4m3fn, triton=lambda: _triton() is not None,
+            cuda_fits=lambda: use_asm and cuda_fp4.fits(prepared().x2, weight_packed, *prepared()[2:]),
+            cuda_builds=lambda: cuda_fp4.built(device_index(x.device)))
+    if kernel == "reference":
+        if lora_a is None:
+            return reference_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias)
+        return reference_fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
+                                         lora_scale, segments)
+    p = prepared()
+    if p.x2.shape[0]:
+        _launch_forward(kernel, p, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
+                        lora_scale, len(segments or [p.n]), config, use_asm)
+    return p.out.reshape(*x.shape[:-1], p.n)
 
 
-def reference_fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale):
-    """grad_out @ deq(W) in grad_out.dtype, accumulated over blocks of W's rows."""
-    n_out, n_in = weight_packed.shape[0], weight_packed.shape[1] * 2
-    grad_in = grad_out.new_zeros(*grad_out.shape[:-1], n_in)
-    for start, stop in _row_chunks(n_out, n_in):
-        w = _dequant_rows(weight_packed, weight_scale, weight_global_scale, start, stop, grad_out.dtype)
-        grad_in += grad_out[..., start:stop] @ w
-    return grad_in
+def _launch_forward(kernel, p: _Prepared, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
+                    lora_scale, n_segments, config, use_asm) -> None:
+    a, b = lora_adapter(p.x2, lora_a, lora_b, p.n, p.k, n_segments)
+    if kernel == "cuda":  # x @ A.T inside the same launch, up to the kernel's MAX_FUSED_RANK
+        xa = None
+        if a is not None and b.shape[1] > cuda_fp4.MAX_FUSED_RANK:
+            xa, a = _small_matmul_eager(p.x2, a), None
+        cuda_fp4.fp4_matmul_cuda(p.x2, weight_packed, weight_scale, weight_global_scale, bias, xa, b,
+                                 float(lora_scale), p.n1, p.n2, out=p.out, lora_a=a)
+        return
+    xa = None if a is None else _small_matmul_eager(p.x2, a)
+    if kernel == "dense":
+        _triton().dequant.dense_fp4_lora_matmul(p.x2, weight_packed, weight_scale, weight_global_scale, bias, xa, b,
+                                                lora_scale, p.n1, p.n2, p.out, use_asm)
+    else:
+        _triton().fp4.fp4_matmul_fused(p.x2, weight_packed, weight_scale, weight_global_scale, bias, xa, b,
+                                       lora_scale, p.n1, p.n2, p.out, config, use_asm)
+
+
+def run_fp4_matmul_t(g, weight_packed, weight_scale, weight_global_scale, *, kernel: str | None = None,
+                     config=None, use_asm: bool = True):
+    """g (..., N) @ deq(W) -> (..., K) in g.dtype, eagerly (the input gradient; W is never dense: the "dense"
+    kernel holds at most two bounded chunks of it); kernel / config / use_asm as in run_fp4_matmul."""
+    _check_kernel(kernel)
+    if kernel is None and config is not None:
+        kernel = "triton"
+    if kernel is None:
+        kernel = choose_kernel("backward", g.device.type, _capability(g), math.prod(g.shape[:-1]), dtype=g.dtype,
+                               nvfp4=weight_scale.dtype == torch.float8_e4m3fn,
+                               triton=lambda: _triton() is not None, k_ok=weight_packed.shape[1] * 2 % 64 == 0)
+    if kernel == "reference":
+        return reference_fp4_matmul_t(g, weight_packed, weight_scale, weight_global_scale)
+    if kernel == "cuda":
+        raise QerlError("kernel: the CUDA kernel has no grad_input; expected reference, triton or dense")
+    n, k = check_operands(g, weight_packed, weight_scale, weight_global_scale, 0, "grad_out")
+    g2 = g.reshape(-1, n)
+    out = torch.empty(g2.shape[0], k, dtype=g.dtype, device=g.device)
+    if g2.shape[0] and kernel == "dense":
+        _triton().dequant.dense_fp4_matmul_t(g2, weight_packed, weight_scale, weight_global_scale, out, use_asm)
+    elif g2.shape[0]:
+        _triton().fp4.fp4_matmul_t_fused(g2, weight_packed, weight_scale, weight_global_scale, out, config, use_asm)
+    return out.reshape(*g.shape[:-1], k)
+
+
+def _small_matmul_eager(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    kernel = choose_kernel("small", x2.device.type, (0, 0), x2.shape[0], dtype=x2.dtype, w_dtype=w.dtype,
+                           n=w.shape[0], triton=lambda: _triton() is not None)
+    return _triton().fp4.small_matmul(x2, w) if kernel == "triton" else x2 @ w.T
 
 
 @torch.library.custom_op("qerl::fp4_matmul", mutates_args=())
 def _fp4_matmul_op(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                    weight_global_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    kernel = _use_triton(x, weight_scale, "_triton_fp4_matmul")
-    if kernel is not None:
-        return kernel(x, weight_packed, weight_scale, weight_global_scale, bias)
-    return reference_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias)
+    return run_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias)
 
 
 @_fp4_matmul_op.register_fake
@@ -98,10 +230,7 @@ def _(x, weight_packed, weight_scale, weight_global_scale, bias):
 @torch.library.custom_op("qerl::fp4_matmul_t", mutates_args=())
 def _fp4_matmul_t_op(grad_out: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                      weight_global_scale: torch.Tensor) -> torch.Tensor:
-    kernel = _use_triton(grad_out, weight_scale, "_triton_fp4_matmul_t")
-    if kernel is not None:
-        return kernel(grad_out, weight_packed, weight_scale, weight_global_scale)
-    return reference_fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale)
+    return run_fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale)
 
 
 @_fp4_matmul_t_op.register_fake
@@ -109,43 +238,12 @@ def _(grad_out, weight_packed, weight_scale, weight_global_scale):
     return grad_out.new_empty(*grad_out.shape[:-1], weight_packed.shape[1] * 2)
 
 
-def fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None):
-    """x (..., K) @ deq(W).T -> (..., N) (+ bias): Triton on CUDA when available, the torch reference otherwise.
-
-    A torch custom op (qerl::fp4_matmul): torch.compile and CUDA-graph capture treat it as one opaque kernel
-    instead of tracing into the Triton launcher.
-    """
-    return _fp4_matmul_op(x, weight_packed, weight_scale, weight_global_scale, bias)
-
-
-def reference_fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
-                              lora_scale: float, segments=None):
-    """fp4_matmul + lora_scale * (x @ A.T) @ B.T, the LoRA part in x's dtype (as peft computes it); with
-    `segments`, W / global scale / A stack one block per segment (see fp4_lora_matmul)."""
-    n, r = weight_packed.shape[0], lora_b.shape[-1]
-    segments = list(segments or [n])
-    gs = weight_global_scale.reshape(-1)
-    outs, start = [], 0
-    for i, size in enumerate(segments):
-        rows = slice(start, start + size)
-        out = reference_fp4_matmul(x, weight_packed[rows], weight_scale[rows], gs[i:i + 1],
-                                   None if bias is None else bias[rows])
-        xa = x @ lora_a[i * r:(i + 1) * r].to(x.dtype).T
-        outs.append(out + xa @ lora_b[rows].to(x.dtype).T * lora_scale)
-        start += size
-    return torch.cat(outs, dim=-1)
-
-
 @torch.library.custom_op("qerl::fp4_lora_matmul", mutates_args=())
 def _fp4_lora_matmul_op(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                         weight_global_scale: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                         lora_b: torch.Tensor, lora_scale: float, segments: list[int]) -> torch.Tensor:
-    kernel = _use_triton(x, weight_scale, "_triton_fp4_matmul")
-    if kernel is not None:
-        return kernel(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale,
-                      segments=segments)
-    return reference_fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
-                                     lora_scale, segments)
+    return run_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale,
+                          segments=segments)
 
 
 @_fp4_lora_matmul_op.register_fake
@@ -153,11 +251,32 @@ def _(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
     return x.new_empty(*x.shape[:-1], weight_packed.shape[0])
 
 
+@torch.library.custom_op("qerl::small_matmul", mutates_args=())
+def _small_matmul_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _small_matmul_eager(x, w)
+
+
+@_small_matmul_op.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None):
+    """x (..., K) @ deq(W).T -> (..., N) (+ bias) on the kernel of choose_kernel (custom op qerl::fp4_matmul)."""
+    return _fp4_matmul_op(x, weight_packed, weight_scale, weight_global_scale, bias)
+
+
+def fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale):
+    """grad_out (..., N) @ deq(W) -> (..., K), the input gradient of fp4_matmul (custom op qerl::fp4_matmul_t)."""
+    return _fp4_matmul_t_op(grad_out, weight_packed, weight_scale, weight_global_scale)
+
+
 def fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale,
                     segments=None):
     """Inference-only x @ deq(W).T (+ bias) + lora_scale * (x @ A.T) @ B.T as one op (qerl::fp4_lora_matmul): on
-    CUDA the B product is added in the FP4 kernel's epilogue (one small GEMM for x @ A.T, no B GEMM, no add
-    kernel). It has no autograd formula: training goes through FP4Linear + peft's separate adapter modules.
+    CUDA the B product is added in the FP4 kernel's epilogue (one small GEMM for x @ A.T, or none on the CUDA
+    kernel, no B GEMM, no add kernel). It has no autograd formula: training goes through FP4Linear + peft's
+    separate adapter modules.
 
     segments: sizes along N of up to three layers that read the same x, stacked in W (rows), the global scale
     (one per segment), A (one (r, K) block per segment) and B (rows): q/k/v or gate/up in one launch."""
@@ -166,24 +285,8 @@ def fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, l
                                float(lora_scale), [int(v) for v in (segments or [n])])
 
 
-@torch.library.custom_op("qerl::small_matmul", mutates_args=())
-def _small_matmul_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    kernel = _triton_kernel("small_matmul") if x.is_cuda else None  # plain bf16/fp16 dots: any CUDA GPU
-    return kernel(x, w) if kernel is not None else x @ w.T
-
-
-@_small_matmul_op.register_fake
-def _(x, w):
-    return x.new_empty(x.shape[0], w.shape[0])
-
-
 def small_matmul(x, w):
     """x (M, K) @ w (N, K).T for few rows and a narrow w (a stacked LoRA A): one split-K Triton launch on CUDA
-    (qerl.quant.triton_fp4.small_matmul), torch elsewhere. A custom op, so that torch.compile treats it as one
-    opaque kernel instead of tracing the launcher (its workspace cache and launch grid)."""
+    (choose_kernel's "small" rows), torch elsewhere. A custom op, so that torch.compile treats it as one opaque
+    kernel instead of tracing the launcher (its workspace cache and launch grid)."""
     return _small_matmul_op(x, w)
-
-
-def fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale):
-    """grad_out (..., N) @ deq(W) -> (..., K), the input gradient of fp4_matmul (custom op qerl::fp4_matmul_t)."""
-    return _fp4_matmul_t_op(grad_out, weight_packed, weight_scale, weight_global_scale)

@@ -7,7 +7,7 @@
 
 vLLM fuses these layers at load time (QKVParallelLinear, MergedColumnParallelLinear); here the model stays a
 transformers + peft model, trainable as before, and only inference calls inside `projections_fused` take the
-stacked path. FP4 bases (FP4LoraLinear): `qerl.quant.kernels.fp4_lora_matmul` with `segments`, one FP4 launch
+stacked path. FP4 bases (FP4LoraLinear): `qerl.quant.dispatch.fp4_lora_matmul` with `segments`, one FP4 launch
 (LoRA B in its epilogue, one global scale per member) and one x @ A.T launch per group. Dense bases (peft's
 LoRA Linear over nn.Linear, e.g. the bf16 baseline): one cuBLAS GEMM over the stacked weight, one x @ A.T and one
 addmm with the block-diagonal stacked B, instead of four launches per layer. The first member computes the whole
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl.quant.kernels import fp4_lora_matmul, small_matmul
+from qerl.quant.dispatch import fp4_lora_matmul, small_matmul
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _STACKED = ("weight_packed", "weight_scale", "weight_global_scale")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from qerl.quant.format import MXFP4_GROUP, NVFP4_GROUP, dequantize, quantize_nvfp4
-from qerl.quant.kernels import fp4_matmul, fp4_matmul_t
+from qerl.quant.dispatch import fp4_matmul, fp4_matmul_t
 
 FORMATS = ("nvfp4", "mxfp4")
 _FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")

@@ -18,7 +18,7 @@ from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
 from qerl.fused_lora import fused_training_adapter, lora_dropout_active, lora_forward
-from qerl.quant.kernels import fp4_lora_matmul
+from qerl.quant.dispatch import fp4_lora_matmul
 from qerl.quant.linear import FP4Linear
 
 

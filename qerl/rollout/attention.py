@@ -25,7 +25,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from qerl.quant.tiling import target_programs
+from qerl.quant.kernels.tiling import target_programs
 
 NAME = "qerl_decode"
 

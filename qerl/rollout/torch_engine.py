@@ -396,10 +396,10 @@ def _decode_forward(model, tok, mask, pos, cache):
 def _compile_options(device: torch.device) -> dict:
     """Inductor options of the decode forward: its Triton kernels with programmatic dependent launch on Hopper+
     (each starts while the previous kernel finishes and waits for it before reading its output; QERL_PDL=0 turns
-    it off, as for qerl.quant.cuda_fp4's launches) where this torch's inductor has the option."""
+    it off, as for qerl.quant's FP4 kernels) where this torch's inductor has the option."""
     from torch._inductor import config as inductor_config
 
-    from qerl.quant.cuda_fp4 import pdl_mode
+    from qerl.quant.dispatch import pdl_mode
 
     if (device.type == "cuda" and pdl_mode() != "0" and hasattr(inductor_config.triton, "enable_pdl")
             and torch.cuda.get_device_capability(device)[0] >= 9):

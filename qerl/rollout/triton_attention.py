@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.quant.tiling import target_programs
-from qerl.quant.triton_fp4 import grid_dependency, pdl_options
+from qerl.quant.kernels.tiling import target_programs
+from qerl.quant.kernels.triton_fp4 import grid_dependency, pdl_options
 
 
 @triton.jit

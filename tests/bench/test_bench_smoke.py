@@ -14,7 +14,7 @@ import torch
 from bench import e2e, e2e_report
 from bench.random_models import build_random_model, decode_weight_bytes, kv_bytes_per_step, qwen25_config
 from qerl.errors import QerlError
-from qerl.quant import cuda_fp4
+from qerl.quant.dispatch import pdl_mode
 from qerl.quant.linear import FP4Linear
 
 TINY = ["--speed-size", "tiny", "--memory", "tiny:fp4,tiny:bf16,tiny:fp4:1:offload", "--batches", "2,4", "--prompts", "2",
@@ -48,7 +48,7 @@ def test_rollout_and_step_rows(run):
         assert res["gpu_lock_wait_s"] >= 0  # the parts took the lock (shared set-up, exclusive timing)
         assert res["hf_generate"]["tokens"] == 2 * 2
         prof = res["profile"]  # CPU: no CUDA kernels, but the step accounting and the PDL mode are there
-        assert (prof["batch"], prof["new_tokens"]) == (2, 3) and prof["pdl_mode"] == cuda_fp4.pdl_mode()
+        assert (prof["batch"], prof["new_tokens"]) == (2, 3) and prof["pdl_mode"] == pdl_mode()
         assert prof["wall_us_per_step"] == pytest.approx(prof["seconds_profiled"] * 1e6 / 2)
         assert prof["kernels_per_step"] >= 0 and isinstance(prof["top"], list)
         up = step["update_profile"]  # the update of one more step: 4 rows x (8 + 3) tokens

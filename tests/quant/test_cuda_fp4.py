@@ -1,16 +1,18 @@
-"""The hand-written CUDA few-row kernel (qerl.quant.cuda_fp4, QERL_FP4_CUDA) vs float64 and the Triton kernel."""
+"""The hand-written CUDA few-row kernel (qerl.quant.kernels.cuda_fp4, QERL_FP4_CUDA) vs float64 and Triton."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from qerl.quant import cuda_fp4
+from qerl.quant import dispatch
+from qerl.quant.dispatch import run_fp4_matmul
+from qerl.quant.kernels import cuda_build, cuda_fp4, device
 
-COMPILERS = cuda_fp4.compilers()
+COMPILERS = cuda_build.compilers()
 HAS_COMPILER = bool(COMPILERS)
 
 
-@pytest.mark.parametrize("name,read", [("QERL_FP4_CUDA", cuda_fp4.mode), ("QERL_PDL", cuda_fp4.pdl_mode)])
+@pytest.mark.parametrize("name,read", [("QERL_FP4_CUDA", dispatch.fp4_cuda_mode), ("QERL_PDL", device.pdl_mode)])
 def test_env_modes(monkeypatch, name, read):
     monkeypatch.delenv(name, raising=False)
     assert read() == "auto"
@@ -25,9 +27,8 @@ def test_env_modes(monkeypatch, name, read):
 
 def test_cpu_is_outside_the_envelope(monkeypatch):
     monkeypatch.setenv("QERL_FP4_CUDA", "1")
-    x = torch.zeros(4, 256, dtype=torch.bfloat16)
-    assert not cuda_fp4.supports(x, torch.zeros(32, 128, dtype=torch.uint8), 32, 256, 32, 32)
-    assert cuda_fp4.AUTO_ROWS <= cuda_fp4.MAX_ROWS == 16
+    assert dispatch.choose_kernel("forward", "cpu", (0, 0), 4) == "reference"
+    assert dispatch.AUTO_ROWS <= cuda_fp4.MAX_ROWS == 16
 
 
 def test_auto_mode_warns_once_and_falls_back_when_nothing_builds(monkeypatch):
@@ -35,31 +36,31 @@ def test_auto_mode_warns_once_and_falls_back_when_nothing_builds(monkeypatch):
         raise RuntimeError("NVRTC not found")
 
     monkeypatch.setattr(cuda_fp4, "_module", broken)
-    cuda_fp4._built.cache_clear()
+    cuda_fp4.built.cache_clear()
     try:
         with pytest.warns(UserWarning, match="stay on Triton"):
-            assert cuda_fp4._built(0) is False
-        assert cuda_fp4._built(0) is False  # cached: no second warning, no second build
+            assert cuda_fp4.built(0) is False
+        assert cuda_fp4.built(0) is False  # cached: no second warning, no second build
     finally:
-        cuda_fp4._built.cache_clear()
+        cuda_fp4.built.cache_clear()
 
 
 def test_compilers_lists_what_compile_cubin_would_try(monkeypatch):
-    monkeypatch.setattr(cuda_fp4, "_find_nvcc", lambda nvcc=None: "/opt/cuda/bin/nvcc")
-    monkeypatch.setattr(cuda_fp4, "_find_nvrtc", lambda: ("libnvrtc.so", "include"))
-    assert cuda_fp4.compilers() == ["nvcc", "nvrtc"]
-    monkeypatch.setattr(cuda_fp4, "_find_nvcc", lambda nvcc=None: None)
-    assert cuda_fp4.compilers() == ["nvrtc"]
-    monkeypatch.setattr(cuda_fp4, "_find_nvrtc", lambda: None)
-    assert cuda_fp4.compilers() == []
+    monkeypatch.setattr(cuda_build, "_find_nvcc", lambda nvcc=None: "/opt/cuda/bin/nvcc")
+    monkeypatch.setattr(cuda_build, "_find_nvrtc", lambda: ("libnvrtc.so", "include"))
+    assert cuda_build.compilers() == ["nvcc", "nvrtc"]
+    monkeypatch.setattr(cuda_build, "_find_nvcc", lambda nvcc=None: None)
+    assert cuda_build.compilers() == ["nvrtc"]
+    monkeypatch.setattr(cuda_build, "_find_nvrtc", lambda: None)
+    assert cuda_build.compilers() == []
 
 
 def test_missing_compilers_are_one_clear_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="nvcc not found"):
-        cuda_fp4.compile_cubin(cuda_fp4.SOURCE, "sm_90", compiler="nvcc", nvcc=str(tmp_path / "nvcc"))
-    monkeypatch.setattr(cuda_fp4, "_find_nvrtc", lambda: None)
+        cuda_build.compile_cubin(cuda_fp4.source(), "sm_90", compiler="nvcc", nvcc=str(tmp_path / "nvcc"))
+    monkeypatch.setattr(cuda_build, "_find_nvrtc", lambda: None)
     with pytest.raises(RuntimeError, match="NVRTC not found"):
-        cuda_fp4.compile_cubin(cuda_fp4.SOURCE, "sm_90", nvcc=str(tmp_path / "nvcc"))
+        cuda_build.compile_cubin(cuda_fp4.source(), "sm_90", nvcc=str(tmp_path / "nvcc"))
 
 
 
@@ -67,19 +68,30 @@ def test_missing_compilers_are_one_clear_error(tmp_path, monkeypatch):
 @pytest.mark.skipif(not COMPILERS, reason="needs nvcc or NVRTC")
 @pytest.mark.parametrize("compiler", COMPILERS or ["none"])
 def test_source_builds_for_hopper_and_ada(compiler):
-    cubin = cuda_fp4.compile_cubin("#define QERL_CLUSTERS 1\n" + cuda_fp4.SOURCE, "sm_90", compiler=compiler)
+    cubin = cuda_build.compile_cubin("#define QERL_CLUSTERS 1\n" + cuda_fp4.source(), "sm_90", compiler=compiler)
     assert cubin[:4] == b"\x7fELF"
     for nt in (1, 2):
         for s in cuda_fp4.CLUSTER_SIZES:
             assert cuda_fp4.kernel_name(nt, s).encode() in cubin
-    ada = cuda_fp4.compile_cubin(cuda_fp4.SOURCE, "sm_89", compiler=compiler)  # no clusters: one-CTA kernels only
+    ada = cuda_build.compile_cubin(cuda_fp4.source(), "sm_89", compiler=compiler)  # no clusters: one-CTA kernels only
     assert cuda_fp4.kernel_name(2, 1).encode() in ada and cuda_fp4.kernel_name(1, 2).encode() not in ada
 
 
-def test_cuda_decode_is_the_emulator_checked_ptx():
-    from qerl.quant import ptx
+def test_source_is_the_cu_file_with_each_marker_filled_once():
+    """fp4_gemv.cu ships with the package and its two marker lines become the generated decode8 and #defines."""
+    text = cuda_fp4.SOURCE_FILE.read_text()
+    source = cuda_fp4.source()
+    assert "// QERL_DECODE8\n" in text and "// QERL_LIMITS\n" in text
+    assert "\n// QERL_DECODE8\n" not in source and "\n// QERL_LIMITS\n" not in source
+    assert source.count("void decode8(") == 1
+    assert source.count("#define MAX_WARPS 16\n#define MAX_FUSED_RANK 128\n") == 1
+    assert '"qerl.quant.kernels" = ["*.cu"]' in (cuda_fp4.SOURCE_FILE.parents[3] / "pyproject.toml").read_text()
 
-    body = cuda_fp4.DEVICE_COMMON.split("void decode8(", 1)[1].split("}\n", 1)[0] + "}\n"
+
+def test_cuda_decode_is_the_emulator_checked_ptx():
+    from qerl.quant.kernels import _e2m1 as ptx
+
+    body = cuda_fp4.source().split("void decode8(", 1)[1].split("}\n", 1)[0] + "}\n"
     asm = [line.strip()[1:-3] for line in body.splitlines() if line.strip().startswith('"')]
     want = [line.replace("$6", "$5").replace("$7", "$5").replace("$8", "$5").replace("$", "%")
             for line in ptx.E2M1_BF16.strip().splitlines()]
@@ -121,7 +133,7 @@ def on(monkeypatch):
     if not HAS_COMPILER:
         pytest.skip("needs nvcc or NVRTC")
     monkeypatch.setenv("QERL_FP4_CUDA", "1")
-    from qerl.quant import triton_fp4
+    from qerl.quant.kernels import triton_fp4
 
     return triton_fp4
 
@@ -162,13 +174,13 @@ def test_matches_float64_with_bias_lora_and_segments(on, rows, sizes, k):
     real = cuda_fp4.fp4_matmul_cuda
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cuda_fp4, "fp4_matmul_cuda", lambda *aa, **kw: calls.append(1) or real(*aa, **kw))
-        out = on.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
+        out = run_fp4_matmul(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
     assert calls, "the CUDA kernel did not run"
     frob, worst = _err(out, ref)
     assert frob < 5e-3 and worst < 2e-2, f"{sizes} rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("QERL_FP4_CUDA", "0")
-        triton_out = on.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
+        triton_out = run_fp4_matmul(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
     # x @ A.T is summed in another order than Triton's and rounded to bf16 before the (30 x randn) B: compare as a
     # whole, element bounds are against float64 above
     assert ((out.double() - triton_out.double()).norm() / triton_out.double().norm()).item() < 5e-3
@@ -198,7 +210,7 @@ def test_every_config_is_exact_and_deterministic(on, config, rows):
 @pytest.mark.parametrize("rows", [1, 8, 16])
 @pytest.mark.parametrize("config", [(1, 4), (2, 3), (1, 1)])
 def test_lora_a_in_the_same_launch_equals_a_given_xa(on, rows, config):
-    from qerl.quant.triton_fp4 import small_matmul
+    from qerl.quant.kernels.triton_fp4 import small_matmul
 
     if config[0] > 1 and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("clusters need sm_90")
@@ -232,7 +244,7 @@ def test_lora_ranks_that_are_not_multiples_of_16(on, rank, unfused, monkeypatch)
     if unfused:  # ranks above MAX_FUSED_RANK take x @ A.T from small_matmul
         monkeypatch.setattr(cuda_fp4, "MAX_FUSED_RANK", rank - 1)
     (x, packed, scale, gs, bias, a, b), ref = _case((256, 64, 64), 5, k=1024, rank=rank)
-    out = on.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5, segments=[256, 64, 64])
+    out = run_fp4_matmul(x, packed, scale, gs, bias, a, b, 0.5, segments=[256, 64, 64])
     frob, worst = _err(out, ref)
     assert frob < 5e-3 and worst < 2e-2, f"rank {rank}: rel err {frob:.2e}, max {worst:.2e}"
 
@@ -242,9 +254,9 @@ def test_launch_structs_match_cuda_h():
 
     # cuda.h: CUlaunchAttribute = {id, pad to 8, 64-byte value union}; CUlaunchConfig = 7 unsigned, stream,
     # attrs, numAttrs (64-bit pointers)
-    assert ctypes.sizeof(cuda_fp4._LaunchAttribute) == 72 and cuda_fp4._LaunchAttribute.value.offset == 8
-    assert cuda_fp4._LaunchConfig.stream.offset == 32 and cuda_fp4._LaunchConfig.attrs.offset == 40
-    assert ctypes.sizeof(cuda_fp4._LaunchConfig) == 56
+    assert ctypes.sizeof(cuda_build._LaunchAttribute) == 72 and cuda_build._LaunchAttribute.value.offset == 8
+    assert cuda_build._LaunchConfig.stream.offset == 32 and cuda_build._LaunchConfig.attrs.offset == 40
+    assert ctypes.sizeof(cuda_build._LaunchConfig) == 56
 
 
 @gpu
@@ -259,14 +271,14 @@ def test_dependent_launches_read_the_previous_output(on, pdl, rows, monkeypatch)
         y = x
         for _ in range(3):
             for _ in range(2):  # back to back: the second launch's predecessor is the first
-                y = on.fp4_matmul_triton(y, packed, scale, gs, bias, a, b, 0.5)
+                y = run_fp4_matmul(y, packed, scale, gs, bias, a, b, 0.5)
             y = y / y.float().square().mean().sqrt().to(y.dtype)  # a torch kernel in between; bounded scale
         return y
 
     monkeypatch.setenv("QERL_PDL", "0")
     plain = chain()
     monkeypatch.setenv("QERL_PDL", pdl)
-    assert cuda_fp4.use_pdl(x.device.index or 0) == (pdl == "1" and torch.cuda.get_device_capability()[0] >= 9)
+    assert device.use_pdl(x.device.index or 0) == (pdl == "1" and torch.cuda.get_device_capability()[0] >= 9)
     torch.testing.assert_close(chain(), plain, rtol=0, atol=0)
 
 
@@ -274,11 +286,11 @@ def test_only_the_lora_launch_waits_late_and_only_with_pdl(monkeypatch):
     """WAIT_LATE (the FP4 kernel reads x and W before waiting for the kernel before it) is asked for only where
     the launcher knows that kernel is small_matmul's x @ A.T, and only under programmatic dependent launch."""
     pytest.importorskip("triton")
-    from qerl.quant import triton_fp4
+    from qerl.quant.kernels import triton_fp4
 
     dev = torch.device("cuda", 0)
     for pdl in (True, False):
-        monkeypatch.setattr(cuda_fp4, "use_pdl", lambda index, pdl=pdl: pdl)
+        monkeypatch.setattr(triton_fp4, "use_pdl", lambda index, pdl=pdl: pdl)
         on_lora = triton_fp4.pdl_options(dev, wait_late=True)
         plain = triton_fp4.pdl_options(dev)
         assert on_lora == ({"PDL": True, "launch_pdl": True, "WAIT_LATE": True} if pdl else {})
@@ -296,7 +308,7 @@ def test_waiting_late_in_a_graph_gives_the_same_bits(on, rows, monkeypatch):
     def chain(x_in):
         y = x_in
         for _ in range(4):  # nothing in between: each x comes straight from the FP4 launch before
-            y = on.fp4_matmul_triton(y, packed, scale, gs, bias, a, b, 0.5, segments=[2048, 1024, 1024])
+            y = run_fp4_matmul(y, packed, scale, gs, bias, a, b, 0.5, segments=[2048, 1024, 1024])
         return y
 
     outs = {}
@@ -331,9 +343,9 @@ def test_more_lora_a_units_than_weight_blocks(on, config):
 def test_cuda_graph_replay_equals_eager(on):
     (x, packed, scale, gs, bias, a, b), ref = _case((3584, 512, 512), 8, k=3584)
     args = (packed, scale, gs, bias, a, b, 0.5)
-    eager = on.fp4_matmul_triton(x, *args, segments=[3584, 512, 512])
+    eager = run_fp4_matmul(x, *args, segments=[3584, 512, 512])
     static_x = x.clone()
-    graph, static_out = _captured(lambda: on.fp4_matmul_triton(static_x, *args, segments=[3584, 512, 512]))
+    graph, static_out = _captured(lambda: run_fp4_matmul(static_x, *args, segments=[3584, 512, 512]))
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -343,8 +355,6 @@ def test_cuda_graph_replay_equals_eager(on):
 
 @gpu
 def test_auto_mode_takes_up_to_8_rows_on_hopper(monkeypatch):
-    from qerl.quant import triton_fp4
-
     if not HAS_COMPILER or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("auto mode: sm_90+ with nvcc or NVRTC")
     monkeypatch.delenv("QERL_FP4_CUDA", raising=False)
@@ -354,7 +364,7 @@ def test_auto_mode_takes_up_to_8_rows_on_hopper(monkeypatch):
                         lambda *aa, **kw: calls.append(aa[0].shape[0]) or real(*aa, **kw))
     for rows in (8, 9):
         (x, packed, scale, gs, bias, a, b), ref = _case((96,), rows)
-        assert _err(triton_fp4.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5), ref)[0] < 5e-3
+        assert _err(run_fp4_matmul(x, packed, scale, gs, bias, a, b, 0.5), ref)[0] < 5e-3
     assert calls == [8]
 
 
@@ -362,6 +372,6 @@ def test_auto_mode_takes_up_to_8_rows_on_hopper(monkeypatch):
 def test_outside_the_envelope_stays_on_triton(on, monkeypatch):
     (x, packed, scale, gs, bias, a, b), ref = _case((96,), 17)
     monkeypatch.setattr(cuda_fp4, "fp4_matmul_cuda", lambda *aa, **kw: pytest.fail("CUDA kernel used"))
-    out = on.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5)  # 17 rows
+    out = run_fp4_matmul(x, packed, scale, gs, bias, a, b, 0.5)  # 17 rows
     assert _err(out, ref)[0] < 5e-3
-    on.fp4_matmul_triton(x[:4].half(), packed, scale, gs, bias.half(), a.half(), b.half(), 0.5)  # fp16
+    run_fp4_matmul(x[:4].half(), packed, scale, gs, bias.half(), a.half(), b.half(), 0.5)  # fp16

@@ -1,4 +1,4 @@
-"""The FP4 kernels' inline PTX decode (qerl.quant.ptx), run through a small emulator of the PTX it uses.
+"""The FP4 kernels' inline PTX decode (qerl.quant.kernels._e2m1), run through a small emulator of the PTX it uses.
 
 The emulator follows the PTX ISA for each instruction (prmt's default mode with msb replication, funnel shift,
 bf16x2 fma with round-to-nearest-even and subnormals); the expected values come from compressed-tensors' own
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from qerl.quant import ptx
+from qerl.quant.kernels import _e2m1 as ptx
 from qerl.quant.format import dequantize_nvfp4
 
 M32 = 0xFFFFFFFF

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qerl.quant import kernels
+from qerl.quant import reference
 from qerl.quant.format import dequantize_nvfp4
 from qerl.quant.linear import FP4Linear
 
@@ -16,10 +16,10 @@ def _layer(n_out=48, n_in=80, bias=True, seed=0):
     return FP4Linear.from_linear(dense)
 
 
-@pytest.mark.parametrize("chunk", [kernels.CHUNK_ELEMENTS, 80 * 5])  # one block / many 5-row blocks
+@pytest.mark.parametrize("chunk", [reference.CHUNK_ELEMENTS, 80 * 5])  # one block / many 5-row blocks
 @pytest.mark.parametrize("bias", [True, False])
 def test_forward_and_grad_input_match_dense_reference(monkeypatch, chunk, bias):
-    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", chunk)
     layer = _layer(bias=bias)
     w = dequantize_nvfp4(layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
     x = torch.randn(3, 7, 80, requires_grad=True)
@@ -70,12 +70,12 @@ def test_bias_gradient_when_bias_is_trained():
     torch.testing.assert_close(layer.bias.grad, g.sum(0))
 
 
-@pytest.mark.parametrize("chunk", [kernels.CHUNK_ELEMENTS, 80 * 5])  # one block / many 5-row blocks
+@pytest.mark.parametrize("chunk", [reference.CHUNK_ELEMENTS, 80 * 5])  # one block / many 5-row blocks
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_biased_layer_is_bit_identical_to_nn_linear(monkeypatch, chunk, bias_dtype):
     # Each output element is one K-long dot product plus its bias, rounded once to bf16 by the same CPU GEMM that
     # nn.Linear calls, so there is no tolerance to justify: adding the bias after a bf16 rounding changed ~27%.
-    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", chunk)
     layer = _layer(n_out=64, n_in=80).to(torch.bfloat16)
     layer.bias.data = layer.bias.data.to(bias_dtype)  # a bias kept in fp32 is used in the compute dtype
     dense = torch.nn.Linear(80, 64, dtype=torch.bfloat16)

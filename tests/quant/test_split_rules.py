@@ -1,11 +1,11 @@
-"""Split-K rules of the Triton kernels (qerl.quant.tiling: no GPU or triton needed)."""
+"""Split-K rules of the Triton kernels (qerl.quant.kernels.tiling: no GPU or triton needed)."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from qerl.quant import tiling as tf
+from qerl.quant.kernels import tiling as tf
 
 
 def test_split_counts_leave_no_program_without_work():

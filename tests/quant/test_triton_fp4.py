@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qerl.quant.dispatch import run_fp4_matmul, run_fp4_matmul_t
 from qerl.quant.format import dequantize_nvfp4, quantize_nvfp4
 
 pytestmark = pytest.mark.gpu
@@ -40,7 +41,7 @@ def _rel_err(out, ref):
 @pytest.fixture(scope="module")
 def tf():
     pytest.importorskip("triton")
-    from qerl.quant import triton_fp4
+    from qerl.quant.kernels import triton_fp4
 
     return triton_fp4
 
@@ -52,26 +53,26 @@ def test_forward_and_grad_input_match_float64(tf, shape):
     w64 = dequantize_nvfp4(packed, scale, gs, torch.float64)
     for m in ROWS:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # fresh inputs for every M
-        frob, worst = _rel_err(tf.fp4_matmul_triton(x, packed, scale, gs), x.double() @ w64.T)
+        frob, worst = _rel_err(run_fp4_matmul(x, packed, scale, gs), x.double() @ w64.T)
         assert frob < 5e-3 and worst < 2e-2, f"forward {n}x{k} M={m}: rel err {frob:.2e}, max {worst:.2e}"
         g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        frob, worst = _rel_err(tf.fp4_matmul_t_triton(g, packed, scale, gs), g.double() @ w64)
+        frob, worst = _rel_err(run_fp4_matmul_t(g, packed, scale, gs), g.double() @ w64)
         assert frob < 5e-3 and worst < 2e-2, f"grad_input {n}x{k} M={m}: rel err {frob:.2e}, max {worst:.2e}"
 
 
-@pytest.mark.parametrize("use_asm,path", [(True, "fused"), (False, "fused"), (True, "dense"), (False, "dense")])
-def test_identity_input_reproduces_every_dequantized_weight(tf, use_asm, path):
+@pytest.mark.parametrize("use_asm,kernel", [(True, "triton"), (False, "triton"), (True, "dense"), (False, "dense")])
+def test_identity_input_reproduces_every_dequantized_weight(tf, use_asm, kernel):
     """x = I turns the matmuls into dequantizers: every byte value and a wide range of scales, to 1 bf16 ulp."""
     n, k = 256, 512
     packed, scale, gs = _random_fp4(n, k, seed=1)
     packed[:, :256] = torch.arange(256, dtype=torch.uint8, device="cuda")  # all nibble pairs in every row
     ref = dequantize_nvfp4(packed, scale, gs, torch.float32)
     tol = ref.abs() * 2.0**-8 + 1e-30
-    wt = tf.fp4_matmul_triton(torch.eye(k, device="cuda", dtype=torch.bfloat16), packed, scale, gs,
-                              use_asm=use_asm, path=path).float()
+    wt = run_fp4_matmul(torch.eye(k, device="cuda", dtype=torch.bfloat16), packed, scale, gs, use_asm=use_asm,
+                        kernel=kernel).float()
     assert ((wt.T - ref).abs() <= tol).all()
-    w = tf.fp4_matmul_t_triton(torch.eye(n, device="cuda", dtype=torch.bfloat16), packed, scale, gs,
-                               use_asm=use_asm, path=path).float()
+    w = run_fp4_matmul_t(torch.eye(n, device="cuda", dtype=torch.bfloat16), packed, scale, gs, use_asm=use_asm,
+                         kernel=kernel).float()
     assert ((w - ref).abs() <= tol).all()
 
 
@@ -83,12 +84,12 @@ def test_other_dtypes_bias_and_leading_dims(tf, dtype, tol, rows):
     w64 = dequantize_nvfp4(packed, scale, gs, torch.float64)
     x = torch.randn(rows, 5, k, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
-    out = tf.fp4_matmul_triton(x, packed, scale, gs, bias)
+    out = run_fp4_matmul(x, packed, scale, gs, bias)
     assert out.shape == (rows, 5, n) and out.dtype == dtype
     frob, _ = _rel_err(out, x.double() @ w64.T + bias.double())
     assert frob < tol, f"forward rel err {frob:.2e}"
     g = torch.randn(rows, 7, n, device="cuda", dtype=dtype)
-    frob, _ = _rel_err(tf.fp4_matmul_t_triton(g, packed, scale, gs), g.double() @ w64)
+    frob, _ = _rel_err(run_fp4_matmul_t(g, packed, scale, gs), g.double() @ w64)
     assert frob < tol, f"grad_input rel err {frob:.2e}"
 
 
@@ -102,7 +103,7 @@ def test_lora_epilogue_matches_float64(tf, rank, rows):
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     b = 30 * torch.randn(n, rank, device="cuda", dtype=torch.bfloat16)  # an update of the base output's size
-    out = tf.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.75)
+    out = run_fp4_matmul(x, packed, scale, gs, bias, a, b, 0.75)
     xa = (x.double() @ a.double().T).to(torch.bfloat16).double()  # the kernel's x @ A.T is rounded to bf16
     lora = 0.75 * xa @ b.double().T
     ref = x.double() @ w64.T + bias.double() + lora
@@ -114,7 +115,7 @@ def test_lora_epilogue_matches_float64(tf, rank, rows):
 @pytest.mark.parametrize("chunk_rows", [None, 1000, 2048])  # one chunk / 4 chunks, the last short / 2 chunks
 def test_dense_path_in_chunks_matches_float64(tf, monkeypatch, chunk_rows):
     """The many-row path with W rebuilt in several chunks (bias and LoRA across chunk boundaries), both ways."""
-    from qerl.quant import triton_dequant
+    from qerl.quant.kernels import triton_dequant
 
     n, k, rows, rank = 3584, 3584, 300, 16
     if chunk_rows:
@@ -126,12 +127,12 @@ def test_dense_path_in_chunks_matches_float64(tf, monkeypatch, chunk_rows):
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(rank, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     b = 30 * torch.randn(n, rank, device="cuda", dtype=torch.bfloat16)
-    out = tf.fp4_matmul_triton(x, packed, scale, gs, bias, a, b, 0.5)
+    out = run_fp4_matmul(x, packed, scale, gs, bias, a, b, 0.5)
     xa = (x.double() @ a.double().T).to(torch.bfloat16).double()
     frob, worst = _rel_err(out, x.double() @ w64.T + bias.double() + 0.5 * xa @ b.double().T)
     assert frob < 5e-3 and worst < 2e-2, f"forward, chunk rows {chunk_rows}: rel err {frob:.2e}, max {worst:.2e}"
     g = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-    frob, worst = _rel_err(tf.fp4_matmul_t_triton(g, packed, scale, gs), g.double() @ w64)
+    frob, worst = _rel_err(run_fp4_matmul_t(g, packed, scale, gs), g.double() @ w64)
     assert frob < 5e-3 and worst < 2e-2, f"grad_input, chunk rows {chunk_rows}: rel err {frob:.2e}, max {worst:.2e}"
 
 
@@ -174,7 +175,7 @@ def _stacked_case(sizes, rows, rank=16, k=3584, seed=0):
 def test_stacked_segments_match_separate_float64(tf, rows, sizes):
     """Several weights in one launch: each segment with its own global scale, LoRA A block and B rows."""
     args, ref = _stacked_case(sizes, rows)
-    frob, worst = _rel_err(tf.fp4_matmul_triton(*args, 0.5, segments=list(sizes)), ref)
+    frob, worst = _rel_err(run_fp4_matmul(*args, 0.5, segments=list(sizes)), ref)
     assert frob < 5e-3 and worst < 2e-2, f"{sizes} rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
 
 
@@ -185,10 +186,10 @@ def test_swapped_operands_match_float64(tf, rows, bk, split):
     sizes = (3584, 512, 512)
     args, ref = _stacked_case(sizes, rows, seed=7)
     cfg = tf.KernelConfig(16, 32, bk, split, 2, 4, swap_ab=True)
-    out = tf.fp4_matmul_triton(*args, 0.5, segments=list(sizes), config=cfg)
+    out = run_fp4_matmul(*args, 0.5, segments=list(sizes), config=cfg)
     frob, worst = _rel_err(out, ref)
     assert frob < 5e-3 and worst < 2e-2, f"rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
-    default = tf.fp4_matmul_triton(*args, 0.5, segments=list(sizes))
+    default = run_fp4_matmul(*args, 0.5, segments=list(sizes))
     # two bf16 results summed in different orders: they may differ by an ulp of the largest outputs (|y| ~ 50 with
     # the LoRA term), so the bound is relative to the output's scale, as against float64 above
     frob, worst = _rel_err(out, default.double())
@@ -196,14 +197,14 @@ def test_swapped_operands_match_float64(tf, rows, bk, split):
 
 
 def test_lora_dispatch_on_cuda_equals_the_kernel(tf):
-    from qerl.quant.kernels import fp4_lora_matmul
+    from qerl.quant.dispatch import fp4_lora_matmul
 
     packed, scale, gs = _random_fp4(256, 512, seed=6)
     x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(256, 16, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(fp4_lora_matmul(x, packed, scale, gs, None, a, b, 2.0),
-                       tf.fp4_matmul_triton(x, packed, scale, gs, None, a, b, 2.0))
+                       run_fp4_matmul(x, packed, scale, gs, None, a, b, 2.0))
 
 
 def test_split_k_is_deterministic_and_rearms_its_counters(tf):
@@ -213,21 +214,21 @@ def test_split_k_is_deterministic_and_rearms_its_counters(tf):
     cfg = tf.forward_config(1, n, k, torch.device("cuda"))
     assert cfg.split > 1
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    outs = [tf.fp4_matmul_triton(x, packed, scale, gs) for _ in range(5)]
+    outs = [run_fp4_matmul(x, packed, scale, gs) for _ in range(5)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     g = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
-    grads = [tf.fp4_matmul_t_triton(g, packed, scale, gs) for _ in range(5)]
+    grads = [run_fp4_matmul_t(g, packed, scale, gs) for _ in range(5)]
     assert all(torch.equal(grads[0], o) for o in grads[1:])
 
 
 def test_dispatch_uses_triton_on_cuda(tf):
-    from qerl.quant.kernels import fp4_matmul, fp4_matmul_t
+    from qerl.quant.dispatch import fp4_matmul, fp4_matmul_t
 
     packed, scale, gs = _random_fp4(256, 512, seed=4)
     x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(fp4_matmul(x, packed, scale, gs), tf.fp4_matmul_triton(x, packed, scale, gs))
+    assert torch.equal(fp4_matmul(x, packed, scale, gs), run_fp4_matmul(x, packed, scale, gs))
     g = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(fp4_matmul_t(g, packed, scale, gs), tf.fp4_matmul_t_triton(g, packed, scale, gs))
+    assert torch.equal(fp4_matmul_t(g, packed, scale, gs), run_fp4_matmul_t(g, packed, scale, gs))
 
 
 def test_bad_inputs_raise_one_line_errors(tf):
@@ -235,6 +236,6 @@ def test_bad_inputs_raise_one_line_errors(tf):
 
     packed, scale, gs = _random_fp4(64, 128, seed=5)
     with pytest.raises(QerlError, match="x: last dim"):
-        tf.fp4_matmul_triton(torch.randn(2, 64, device="cuda"), packed, scale, gs)
+        run_fp4_matmul(torch.randn(2, 64, device="cuda"), packed, scale, gs)
     with pytest.raises(QerlError, match="weight_scale"):
-        tf.fp4_matmul_triton(torch.randn(2, 128, device="cuda"), packed, scale.float(), gs)
+        run_fp4_matmul(torch.randn(2, 128, device="cuda"), packed, scale.float(), gs, kernel="triton")

@@ -1,4 +1,5 @@
-"""The PTX that turns packed NVFP4 weights into bf16 tensor-core operands (used by qerl.quant.triton_fp4's kernels).
+"""The PTX that turns packed NVFP4 weights into bf16 tensor-core operands: the one source of the E2M1 decode of both
+the Triton kernels (kernels.triton_fp4 inlines E2M1_BF16) and the CUDA kernel (cuda_decode8 wraps the same text).
 
 Kept free of triton so the CPU test suite can check it instruction by instruction (tests/quant/test_e2m1_ptx.py).
 """
@@ -44,3 +45,15 @@ fma.rn.bf16x2 $3, x3, $8, nz;
 # The decode returns e2m1 * scale / DEQ_GAIN; kernels multiply their fp32 sums by DEQ_GAIN / global_scale.
 DEQ_GAIN = 128.0
 SCALE_UP = 2.0 ** 119  # the group scale's factor before the multiply: SCALE_UP * 2^-126 = 1 / DEQ_GAIN
+
+
+def cuda_decode8() -> str:
+    """decode8(w, s2, o0..o3): E2M1_BF16 as a CUDA asm block, one scale pair s2 for all four output registers;
+    kernels.cuda_fp4 puts it into fp4_gemv.cu in place of the line `// QERL_DECODE8`."""
+    text = E2M1_BF16.strip()
+    for j in (6, 7, 8):
+        text = text.replace(f"${j}", "$5")
+    lines = "".join(f'      "{line}\\n"\n' for line in text.replace("$", "%").splitlines())
+    return ("__device__ __forceinline__ void decode8(uint32_t w, uint32_t s2, uint32_t &o0, uint32_t &o1,\n"
+            "                                        uint32_t &o2, uint32_t &o3) {\n  asm(\n" + lines
+            + '      : "=r"(o0), "=r"(o1), "=r"(o2), "=r"(o3)\n      : "r"(w), "r"(s2));\n}\n')

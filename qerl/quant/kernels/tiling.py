@@ -1,10 +1,13 @@
-"""Tile and split-K rules of the Triton kernels (qerl.quant.triton_fp4), kept free of triton so they can be
-tested on any machine."""
+"""Tile and split-K rules of the Triton kernels (kernels.triton_fp4), kept free of triton so they can be tested on
+any machine."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
+
+from qerl.errors import QerlError
 
 
 def target_programs(device: torch.device) -> int:
@@ -35,7 +38,7 @@ def k_block(k: int, preferred: int) -> int:
 
 
 def small_split(bm: int, bn: int, bk: int, k_tiles: int, tiles: int, device: torch.device) -> int:
-    """K splits of `qerl.quant.triton_fp4._small_mm_kernel`: enough programs to fill the GPU. From 32-row tiles on,
+    """K splits of `kernels.triton_fp4._small_mm_kernel`: enough programs to fill the GPU. From 32-row tiles on,
     also no more than keeps the last program's serial sum (split partials of bm x bn fp32) within what each program
     reads of x and w: split^2 <= k_tiles * bk * (bm + bn) * 2 bytes / (bm * bn * 4 bytes). H100, LoRA A of r 32 at
     64 rows: 28 -> 7 splits takes q|k|v's x @ A.T from 11.3 to 7.0 us, down's (K 18944) 50 -> 19 from 10.3 to 8.1
@@ -44,3 +47,47 @@ def small_split(bm: int, bn: int, bk: int, k_tiles: int, tiles: int, device: tor
     if bm > 16:
         split = min(split, math.isqrt(k_tiles * bk * (bm + bn) * 2 // (bm * bn * 4)))
     return max(1, split)
+
+
+class KernelConfig(NamedTuple):
+    """Tile shape and launch knobs of one kernel call (bm rows of x, bn/bk as named by each kernel)."""
+    bm: int
+    bn: int
+    bk: int
+    split: int = 1
+    warps: int = 4
+    stages: int = 3
+    group_m: int = 8
+    maxnreg: int | None = None  # register cap per thread: more programs per SM, at the risk of spills
+    swap_ab: bool = False  # forward: out.T = W @ x.T (see _fp4_mm_kernel)
+
+
+def forward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
+    """Fused-kernel tiles per M bucket, from `python -m bench.kernels --sweep` (H200, then H100): few rows are a
+    bandwidth problem (narrow tiles; split-K to fill every SM, more of it for long reductions)."""
+    if M <= 16:
+        # 3 stages: 7B down 27.4 -> 25.1 us, gate/up 25.3 -> 24.7, q|k|v 11.2 -> 10.9 at M = 16 against 4 (H100)
+        bm, bn, bk, warps, stages, maxnreg = 16, 32, 256, 4, 3, 128
+    elif M <= 64 and N * K >= 1 << 25:
+        # large weights: one 64-row tile (Hopper wgmma, each weight dequantized once) beats two 32-row tiles that
+        # dequantize it twice (7B gate/up, M = 64, H100: 45.6 vs 54.3 us)
+        bm, bn, bk, warps, stages, maxnreg = 64, 64, 64, 4, 4, None
+    elif M <= 64:
+        bm, bn, bk, warps, stages, maxnreg = 32, 64, 256, 4, 3, None
+    else:
+        bm, bn, bk, warps, stages, maxnreg = 64, 64, 128, 4, 4, None
+    bk = k_block(K, bk)
+    tiles = math.ceil(M / bm) * math.ceil(N / bn)
+    split = pick_split(tiles, math.ceil(K / bk), device, waves=6 if K >= 8192 else 2) if M <= 64 else 1
+    return KernelConfig(bm, bn, bk, split, warps, stages, 8, maxnreg)
+
+
+def backward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
+    """Same for grad_input: bn is the reduction step over N, bk the output tile along K (must divide K)."""
+    bm, bn, bk, warps, stages = (16 if M <= 16 else 64), 128, 64, 4, 4
+    if K % bk:
+        raise QerlError(f"weight_packed: in_features {K} must be a multiple of {bk} for the fused grad_input")
+    tiles = math.ceil(M / bm) * (K // bk)
+    waves = 6 if N >= 8192 and M <= 16 else 2
+    split = pick_split(tiles, math.ceil(N / bn), device, waves=waves) if M <= 64 else 1
+    return KernelConfig(bm, bn, bk, split, warps, stages)

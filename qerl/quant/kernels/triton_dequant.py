@@ -1,14 +1,15 @@
 """Many-row NVFP4 matmuls: dequantize one bounded chunk of W at a time with Triton, multiply it with cuBLAS.
 
 From a few hundred rows on, a bf16 GEMM is compute bound and cuBLAS's Hopper kernels beat any fused W4A16 Triton
-kernel (there the dequantization competes with the tensor cores for issue slots). So `qerl.quant.triton_fp4` sends
+kernel (there the dequantization competes with the tensor cores for issue slots). So `qerl.quant.dispatch` sends
 those shapes here: W is rebuilt in chunks of at most CHUNK_ELEMENTS (two bf16 buffers, 2 x 64 MiB), each chunk
 dequantized on a side stream while cuBLAS multiplies the previous one, so the dequantization (memory bound) hides
 under the matmul (compute bound). A weight of at most CHUNK_ELEMENTS is one chunk, dequantized then multiplied.
 No more than 128 MiB of dense weight exists at a time, and nothing dense outlives the call.
 
-    out = dense_fp4_matmul(x2, weight_packed, weight_scale, weight_global_scale, bias)   # x2 @ deq(W).T
-    gx = dense_fp4_matmul_t(g2, weight_packed, weight_scale, weight_global_scale)       # g2 @ deq(W)
+    dense_fp4_matmul(x2, weight_packed, weight_scale, weight_global_scale, bias, out)     # out = x2 @ deq(W).T
+    dense_fp4_matmul_t(g2, weight_packed, weight_scale, weight_global_scale, out)        # out = g2 @ deq(W)
+    dense_fp4_lora_matmul(x2, ..., xa, lora_b, lora_scale, n1, n2, out)                  # stacked weights + LoRA
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.quant.triton_fp4 import DEQ_GAIN, _dequant_tile
+from qerl.quant.kernels.triton_fp4 import DEQ_GAIN, _dequant_tile
 
 # A weight up to this size is one chunk and one GEMM: splitting a 7B q/o (12.8 M elements) in two to overlap its
 # ~10 us dequantization cost ~0.2 ms per 16,640-row call on an H100 (smaller GEMMs; a bias broadcast into
@@ -117,6 +118,21 @@ def dense_fp4_matmul(x2, weight_packed, weight_scale, weight_global_scale, bias,
             torch.addmm(bias[a:b].to(out.dtype), x2, buf.T, out=out[:, a:b])
 
     _pipelined(_chunks(n, k, 256), lambda c: (c[1] - c[0], k), x2.dtype, x2.device, dequant, consume)
+    return out
+
+
+def dense_fp4_lora_matmul(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b,
+                          lora_scale: float, n1: int, n2: int, out: torch.Tensor, use_asm: bool = True):
+    """out (M, N) = x2 @ deq(W).T (+ bias) (+ lora_scale * xa[:, seg] @ lora_b.T) for up to three weights stacked
+    along N (rows [0, n1), [n1, n2), [n2, N), one global scale each), as kernels.triton_fp4.fp4_matmul_fused."""
+    n = weight_packed.shape[0]
+    r = 0 if lora_b is None else lora_b.shape[1]
+    for i, (a, b) in enumerate(((0, n1), (n1, n2), (n2, n))):
+        if b > a:
+            dense_fp4_matmul(x2, weight_packed[a:b], weight_scale[a:b], weight_global_scale.reshape(-1)[i],
+                             None if bias is None else bias[a:b], out[:, a:b], use_asm)
+            if xa is not None:
+                out[:, a:b].addmm_(xa[:, i * r:(i + 1) * r], lora_b[a:b].T, alpha=lora_scale)
     return out
 
 

@@ -1,7 +1,11 @@
-"""Triton W4A16 kernels for NVFP4 weights: the CUDA path behind `qerl.quant.kernels.fp4_matmul`.
+"""Triton W4A16 kernels for NVFP4 weights: the fused kernels that `qerl.quant.dispatch` runs for few and mid rows.
 
-    y  = fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias)   # x @ deq(W).T (+ bias)
-    gx = fp4_matmul_t_triton(g, weight_packed, weight_scale, weight_global_scale)       # g @ deq(W)
+    fp4_matmul_fused(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b, lora_scale, n1, n2, out)
+    fp4_matmul_t_fused(g2, weight_packed, weight_scale, weight_global_scale, out)         # g2 @ deq(W)
+    small_matmul(x2, w)                                                                    # x2 @ w.T (a LoRA A)
+
+Callers go through qerl.quant.dispatch (run_fp4_matmul, fp4_matmul, ...), which checks the operands, picks the
+kernel and allocates the output; these launchers take 2-D operands as dispatch hands them over.
 
 The weight never exists dequantized in device memory: each program loads a tile of packed bytes and FP8 group
 scales, turns them into bf16 in registers (e2m1 * scale / 128, exact in bf16), feeds the tensor cores and multiplies
@@ -16,32 +20,28 @@ float32 (1,); W = e2m1 * scale / global_scale.
 The unpacking moves bits in inline PTX (8 weights from one 32-bit word in 17 instructions with the scale multiply,
 no lookup table, written straight as the bf16 pairs the tensor-core operand holds); `USE_ASM=False` selects a
 plain-Triton decode of the same numbers (slower; kept as the readable reference and for Triton's CPU interpreter).
-Triton converts the FP8 scales only from sm_89 on, so the dispatcher (qerl.quant.kernels) sends older GPUs to the
+Triton converts the FP8 scales only from sm_89 on, so the dispatcher (qerl.quant.dispatch) sends older GPUs to the
 torch reference path.
 """
 from __future__ import annotations
-
-import math
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from qerl.errors import QerlError
-from qerl.quant import cuda_fp4, ptx
-from qerl.quant.tiling import k_block as _k_block
-from qerl.quant.tiling import no_empty_splits as _no_empty_splits
-from qerl.quant.tiling import pick_split as _pick_split
-from qerl.quant.tiling import small_split as _small_split
+from qerl.quant.kernels import _e2m1
+from qerl.quant.kernels.device import device_index, use_pdl
+from qerl.quant.kernels.tiling import KernelConfig, backward_config, forward_config
+from qerl.quant.kernels.tiling import k_block as _k_block
+from qerl.quant.kernels.tiling import no_empty_splits as _no_empty_splits
+from qerl.quant.kernels.tiling import small_split as _small_split
 
-GROUP = 16
-
-# The E2M1 -> bf16 decode (inline PTX, explained in qerl.quant.ptx): one call turns 4 packed bytes into the 4
+# The E2M1 -> bf16 decode (inline PTX, explained in kernels/_e2m1.py): one call turns 4 packed bytes into the 4
 # registers of bf16 pairs that the tensor-core operand holds, times the group scale, as e2m1 * scale / DEQ_GAIN.
-_E2M1_BF16_ASM = tl.constexpr(ptx.E2M1_BF16)
-DEQ_GAIN = tl.constexpr(ptx.DEQ_GAIN)
-_SCALE_UP = tl.constexpr(ptx.SCALE_UP)
+_E2M1_BF16_ASM = tl.constexpr(_e2m1.E2M1_BF16)
+DEQ_GAIN = tl.constexpr(_e2m1.DEQ_GAIN)
+_SCALE_UP = tl.constexpr(_e2m1.SCALE_UP)
 
 
 @triton.jit
@@ -305,55 +305,6 @@ def _small_mm_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, sxm, sxk
                  out_ptr, out_ptr, 0, 0, 0, 0.0, False, SPLIT, BM, BN, False, 16)
 
 
-class KernelConfig(NamedTuple):
-    """Tile shape and launch knobs of one kernel call (bm rows of x, bn/bk as named by each kernel)."""
-    bm: int
-    bn: int
-    bk: int
-    split: int = 1
-    warps: int = 4
-    stages: int = 3
-    group_m: int = 8
-    maxnreg: int | None = None  # register cap per thread: more programs per SM, at the risk of spills
-    swap_ab: bool = False  # forward: out.T = W @ x.T (see _fp4_mm_kernel)
-
-
-# Rows from which the matmuls go through chunked dequantize + cuBLAS (qerl.quant.triton_dequant): measured on an
-# H200, the fused kernels lose to cuBLAS once the GEMM is compute bound.
-DENSE_MIN_ROWS = 128
-
-
-def forward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
-    """Fused-kernel tiles per M bucket, from `python -m bench.kernels --sweep` (H200, then H100): few rows are a
-    bandwidth problem (narrow tiles; split-K to fill every SM, more of it for long reductions)."""
-    if M <= 16:
-        # 3 stages: 7B down 27.4 -> 25.1 us, gate/up 25.3 -> 24.7, q|k|v 11.2 -> 10.9 at M = 16 against 4 (H100)
-        bm, bn, bk, warps, stages, maxnreg = 16, 32, 256, 4, 3, 128
-    elif M <= 64 and N * K >= 1 << 25:
-        # large weights: one 64-row tile (Hopper wgmma, each weight dequantized once) beats two 32-row tiles that
-        # dequantize it twice (7B gate/up, M = 64, H100: 45.6 vs 54.3 us)
-        bm, bn, bk, warps, stages, maxnreg = 64, 64, 64, 4, 4, None
-    elif M <= 64:
-        bm, bn, bk, warps, stages, maxnreg = 32, 64, 256, 4, 3, None
-    else:
-        bm, bn, bk, warps, stages, maxnreg = 64, 64, 128, 4, 4, None
-    bk = _k_block(K, bk)
-    tiles = math.ceil(M / bm) * math.ceil(N / bn)
-    split = _pick_split(tiles, math.ceil(K / bk), device, waves=6 if K >= 8192 else 2) if M <= 64 else 1
-    return KernelConfig(bm, bn, bk, split, warps, stages, 8, maxnreg)
-
-
-def backward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
-    """Same for grad_input: bn is the reduction step over N, bk the output tile along K (must divide K)."""
-    bm, bn, bk, warps, stages = (16 if M <= 16 else 64), 128, 64, 4, 4
-    if K % bk:
-        raise QerlError(f"weight_packed: in_features {K} must be a multiple of {bk} for the fused grad_input")
-    tiles = math.ceil(M / bm) * (K // bk)
-    waves = 6 if N >= 8192 and M <= 16 else 2
-    split = _pick_split(tiles, math.ceil(N / bn), device, waves=waves) if M <= 64 else 1
-    return KernelConfig(bm, bn, bk, split, warps, stages)
-
-
 _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -374,83 +325,12 @@ def _workspace(device: torch.device, part_elems: int, tiles: int) -> tuple[torch
     return part, cnt
 
 
-def _check(a: torch.Tensor, weight_packed, weight_scale, weight_global_scale, dim: int, name: str,
-           segments=None):
-    if weight_packed.dtype != torch.uint8 or weight_packed.ndim != 2:
-        raise QerlError(f"weight_packed: expected a 2-D uint8 tensor, got {weight_packed.dtype} "
-                        f"{tuple(weight_packed.shape)}")
-    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
-    if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (n, k // GROUP):
-        raise QerlError(f"weight_scale: expected float8_e4m3fn {(n, k // GROUP)}, got {weight_scale.dtype} "
-                        f"{tuple(weight_scale.shape)}")
-    if segments is None and weight_global_scale.numel() != 1:
-        raise QerlError(f"weight_global_scale: expected one element, got shape {tuple(weight_global_scale.shape)}")
-    if a.shape[-1] != (k if dim == 1 else n):
-        raise QerlError(f"{name}: last dim {a.shape[-1]} does not match the weight ({n}, {k}) "
-                        f"(expected {k if dim == 1 else n})")
-    if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise QerlError(f"{name}: expected a bf16/fp16/fp32 tensor, got {a.dtype}")
-    for t, tn in ((weight_packed, "weight_packed"), (weight_scale, "weight_scale"),
-                  (weight_global_scale, "weight_global_scale")):
-        if t.device != a.device:
-            raise QerlError(f"{tn}: on {t.device}, expected {a.device} like {name}")
-    if k % GROUP:
-        raise QerlError(f"weight_packed: in_features {k} must be a multiple of {GROUP}")
-    return n, k
-
-
-def _use_dense(path: str, m: int, config, k_ok: bool = True) -> bool:
-    if path not in ("auto", "fused", "dense"):
-        raise QerlError(f"path: expected 'auto', 'fused' or 'dense', got {path!r}")
-    if config is not None and config.bk < 64:
-        raise QerlError(f"config.bk: {config.bk} < 64 is not supported (wrong results seen with Triton 3.6)")
-    return path == "dense" or (path == "auto" and config is None and (m >= DENSE_MIN_ROWS or not k_ok))
-
-
-def _lora_adapter(x2: torch.Tensor, lora_a, lora_b, n: int, k: int, n_segments: int = 1):
-    """(A, B) in x's dtype, B contiguous, after checking the adapter shapes (A stacks one (r, K) block per
-    segment); (None, None) without LoRA."""
-    if (lora_a is None) != (lora_b is None):
-        raise QerlError("lora_a and lora_b: pass both or neither")
-    if lora_a is None:
-        return None, None
-    r = lora_b.shape[-1]
-    if lora_a.ndim != 2 or tuple(lora_a.shape) != (n_segments * r, k) or tuple(lora_b.shape) != (n, r):
-        raise QerlError(f"lora_a / lora_b: expected ({n_segments} x r, {k}) and ({n}, r), got "
-                        f"{tuple(lora_a.shape)} and {tuple(lora_b.shape)}")
-    return lora_a.to(x2.dtype), lora_b.to(x2.dtype).contiguous()
-
-
-def _lora_operands(x2: torch.Tensor, lora_a, lora_b, n: int, k: int, n_segments: int = 1):
-    """(xa = x @ A.T, B) in x's dtype for the fused LoRA epilogue (`_lora_adapter` checks the shapes)."""
-    a, b = _lora_adapter(x2, lora_a, lora_b, n, k, n_segments)
-    return (None, None) if a is None else (small_matmul(x2, a), b)
-
-
-def _segment_bounds(segments, n: int, weight_global_scale: torch.Tensor) -> tuple[int, int]:
-    """(N1, N2) of at most three stacked weights along N; (n, n) for one."""
-    segments = [int(v) for v in (segments or [n])]
-    if not 1 <= len(segments) <= 3 or sum(segments) != n or min(segments) <= 0:
-        raise QerlError(f"segments: expected 1-3 positive sizes adding up to N = {n}, got {segments}")
-    if weight_global_scale.numel() != len(segments):
-        raise QerlError(f"weight_global_scale: expected one per segment ({len(segments)}), got "
-                        f"{weight_global_scale.numel()}")
-    bounds = [sum(segments[:i + 1]) for i in range(len(segments) - 1)] + [n, n]
-    return bounds[0], bounds[1]
-
-
-SMALL_MM_MAX_ROWS = 64
-
-
 def small_matmul(x2: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Tensor:
-    """x2 (M, K) @ w (N, K).T in x2's dtype: `_small_mm_kernel` for M <= SMALL_MM_MAX_ROWS and N <= 256 in
-    bf16/fp16 on CUDA (a LoRA A at decode: ~2 kernels of cuBLAS become one), torch.matmul otherwise. `split`:
-    K splits (default `_small_split`)."""
+    """x2 (M, K) @ w (N, K).T in x2's dtype with `_small_mm_kernel` (a LoRA A at decode: ~2 kernels of cuBLAS become
+    one), for the operands that qerl.quant.dispatch.choose_kernel("small", ...) sends here (few rows, N <= 256,
+    bf16/fp16 on CUDA). `split`: K splits (default `_small_split`)."""
     m, k = x2.shape
     n = w.shape[0]
-    if (not x2.is_cuda or m > SMALL_MM_MAX_ROWS or n > 256 or x2.dtype not in (torch.bfloat16, torch.float16)
-            or w.dtype != x2.dtype):
-        return x2 @ w.T
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     bn = max(16, min(64, triton.next_power_of_2(n)))
@@ -467,63 +347,45 @@ def small_matmul(x2: torch.Tensor, w: torch.Tensor, split: int | None = None) ->
 
 
 # The FP4 kernel after small_matmul's x @ A.T waits for it only before its epilogue (WAIT_LATE in _fp4_mm_kernel).
-# Also safe where small_matmul falls back to torch.matmul: a launch without PDL lets the next start only once done.
+# Also safe where dispatch takes x @ A.T from torch.matmul: a launch without PDL lets the next start only once done.
 LORA_OVERLAP = True
 
 
 def pdl_options(device: torch.device, wait_late: bool = False) -> dict:
-    """Launch options of the decode kernels: programmatic dependent launch where qerl.quant.cuda_fp4.use_pdl says
+    """Launch options of the decode kernels: programmatic dependent launch where kernels.device.use_pdl says
     (QERL_PDL; by default on sm_90+ during CUDA-graph capture); wait_late: the FP4 kernel's WAIT_LATE."""
-    pdl = cuda_fp4.use_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    pdl = use_pdl(device_index(device))
     if not pdl:
         return {}
     return {"PDL": True, "launch_pdl": True, **({"WAIT_LATE": True} if wait_late else {})}
 
 
-def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=None, lora_a=None, lora_b=None,
-                      lora_scale: float = 1.0, *, segments=None, config: KernelConfig | None = None,
-                      use_asm: bool = True, path: str = "auto"):
-    """x (..., K) @ deq(W).T (+ bias) (+ lora_scale * (x @ lora_a.T) @ lora_b.T) -> (..., N) in x.dtype; bf16
-    tensor cores (fp16 for fp16, tf32 for fp32).
+def _check_config(config: KernelConfig | None) -> None:
+    if config is not None and config.bk < 64:
+        raise QerlError(f"config.bk: {config.bk} < 64 is not supported (wrong results seen with Triton 3.6)")
 
-    The LoRA update (lora_a (r, K), lora_b (N, r), computed in x's dtype) is added in the kernel's epilogue, so a
-    LoRA layer costs one small GEMM (x @ A.T) and no separate B GEMM or add. `segments` (sizes along N, at most
-    three) stacks several weights that read the same x (q/k/v, gate/up) into one launch: one global scale per
-    segment, lora_a stacks one (r, K) block per segment. path: "fused" (one Triton kernel), "dense" (chunked
-    dequantize + cuBLAS) or "auto" (dense from DENSE_MIN_ROWS rows on)."""
-    n, k = _check(x, weight_packed, weight_scale, weight_global_scale, 1, "x", segments)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.reshape(*lead, n)
-    n1, n2 = _segment_bounds(segments, n, weight_global_scale)
-    if path == "auto" and config is None and use_asm and cuda_fp4.supports(
-            x2, weight_packed, n, k, n1, n2):  # the hand-written few-row kernel (QERL_FP4_CUDA), x @ A.T inside
-        la, lb = _lora_adapter(x2, lora_a, lora_b, n, k, len(segments or [n]))
-        cuda_fp4.fp4_matmul_cuda(x2, weight_packed, weight_scale, weight_global_scale, bias, None, lb,
-                                 float(lora_scale), n1, n2, out=out, lora_a=la)
-        return out.reshape(*lead, n)
-    xa, lb = _lora_operands(x2, lora_a, lora_b, n, k, len(segments or [n]))
-    r = 0 if lb is None else lb.shape[1]
-    if _use_dense(path, m, config):
-        from qerl.quant.triton_dequant import dense_fp4_matmul
 
-        for i, (a, b) in enumerate(((0, n1), (n1, n2), (n2, n))):
-            if b > a:
-                dense_fp4_matmul(x2, weight_packed[a:b], weight_scale[a:b], weight_global_scale.reshape(-1)[i],
-                                 None if bias is None else bias[a:b], out[:, a:b], use_asm)
-                if xa is not None:
-                    out[:, a:b].addmm_(xa[:, i * r:(i + 1) * r], lb[a:b].T, alpha=lora_scale)
-        return out.reshape(*lead, n)
-    cfg = config or forward_config(m, n, k, x.device)
+def fp4_matmul_fused(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b, lora_scale: float,
+                     n1: int, n2: int, out: torch.Tensor, config: KernelConfig | None = None,
+                     use_asm: bool = True) -> torch.Tensor:
+    """out (M, N) = x2 (M, K) @ deq(W).T (+ bias) (+ lora_scale * xa[:, seg] @ lora_b.T) in x2's dtype, one launch;
+    bf16 tensor cores (fp16 for fp16, tf32 for fp32).
+
+    The LoRA update (xa = x @ A.T, lora_b (N, r) contiguous, both in x's dtype) is added in the kernel's epilogue,
+    so a LoRA layer costs one small GEMM (x @ A.T) and no separate B GEMM or add. Up to three weights that read the
+    same x (q/k/v, gate/up) are stacked along N: rows [0, n1), [n1, n2), [n2, N), one global scale each, xa holds
+    one r-column block per segment. config: tiles and splits (default `forward_config`)."""
+    _check_config(config)
+    m, k = x2.shape
+    n = weight_packed.shape[0]
+    r = 0 if lora_b is None else lora_b.shape[1]
+    cfg = config or forward_config(m, n, k, x2.device)
     while cfg.bn > 16 and (n1 % cfg.bn or n2 % cfg.bn):  # every program's columns inside one segment
         cfg = cfg._replace(bn=cfg.bn // 2)
     if n1 % cfg.bn or n2 % cfg.bn:
         raise QerlError(f"segments: boundaries {n1}, {n2} must be multiples of 16")
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    part, cnt = _workspace(x.device, tiles * cfg.split * cfg.bm * cfg.bn if cfg.split > 1 else 0, tiles)
+    part, cnt = _workspace(x2.device, tiles * cfg.split * cfg.bm * cfg.bn if cfg.split > 1 else 0, tiles)
     wp = weight_packed.contiguous()
     ws = weight_scale.contiguous().view(torch.uint8)
     gs = weight_global_scale.reshape(-1).to(torch.float32)
@@ -531,37 +393,27 @@ def fp4_matmul_triton(x, weight_packed, weight_scale, weight_global_scale, bias=
     _fp4_mm_kernel[(tiles, cfg.split)](
         x2, wp, ws, gs, b, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
         wp.stride(0), ws.stride(0),
-        out if xa is None else xa, out if lb is None else lb, r, 0 if xa is None else xa.stride(0), r,
+        out if xa is None else xa, out if lora_b is None else lora_b, r, 0 if xa is None else xa.stride(0), r,
         float(lora_scale), n1, n2,
         HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
         USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, HAS_LORA=xa is not None,
         RP=max(16, triton.next_power_of_2(max(r, 1))), SWAP_AB=cfg.swap_ab, num_warps=cfg.warps,
-        num_stages=cfg.stages, **pdl_options(x.device, wait_late=LORA_OVERLAP and xa is not None),
+        num_stages=cfg.stages, **pdl_options(x2.device, wait_late=LORA_OVERLAP and xa is not None),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
-    return out.reshape(*lead, n)
+    return out
 
 
-def fp4_matmul_t_triton(g, weight_packed, weight_scale, weight_global_scale, *,
-                        config: KernelConfig | None = None, use_asm: bool = True, path: str = "auto"):
-    """g (..., N) @ deq(W) -> (..., K) in g.dtype: the input gradient, reading W transposed; W is never dense
-    (the "dense" path holds at most two bounded chunks of it)."""
-    n, k = _check(g, weight_packed, weight_scale, weight_global_scale, 0, "grad_out")
-    lead = g.shape[:-1]
-    g2 = g.reshape(-1, n)
-    m = g2.shape[0]
-    out = torch.empty(m, k, dtype=g.dtype, device=g.device)
-    if m == 0:
-        return out.reshape(*lead, k)
-    if _use_dense(path, m, config, k_ok=k % 64 == 0):
-        from qerl.quant.triton_dequant import dense_fp4_matmul_t
-
-        return dense_fp4_matmul_t(g2, weight_packed, weight_scale, weight_global_scale, out,
-                                  use_asm).reshape(*lead, k)
-    cfg = config or backward_config(m, n, k, g.device)
+def fp4_matmul_t_fused(g2, weight_packed, weight_scale, weight_global_scale, out: torch.Tensor,
+                       config: KernelConfig | None = None, use_asm: bool = True) -> torch.Tensor:
+    """out (M, K) = g2 (M, N) @ deq(W) in g2's dtype: the input gradient, reading W transposed, one launch."""
+    _check_config(config)
+    m, n = g2.shape
+    k = weight_packed.shape[1] * 2
+    cfg = config or backward_config(m, n, k, g2.device)
     if k % cfg.bk:
         raise QerlError(f"weight_packed: in_features {k} must be a multiple of the tile {cfg.bk}")
     tiles = triton.cdiv(m, cfg.bm) * (k // cfg.bk)
-    part, cnt = _workspace(g.device, tiles * cfg.split * cfg.bm * cfg.bk if cfg.split > 1 else 0, tiles)
+    part, cnt = _workspace(g2.device, tiles * cfg.split * cfg.bm * cfg.bk if cfg.split > 1 else 0, tiles)
     wp = weight_packed.contiguous()
     ws = weight_scale.contiguous().view(torch.uint8)
     _fp4_mm_t_kernel[(tiles, cfg.split)](
@@ -570,9 +422,4 @@ def fp4_matmul_t_triton(g, weight_packed, weight_scale, weight_global_scale, *,
         BM=cfg.bm, BK=cfg.bk, BN=cfg.bn, SPLIT=cfg.split, GROUP_M=cfg.group_m, USE_ASM=use_asm,
         EVEN_N=n % cfg.bn == 0, EVEN_M=m % cfg.bm == 0, num_warps=cfg.warps, num_stages=cfg.stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
-    return out.reshape(*lead, k)
-
-
-# Names used by the dispatcher qerl.quant.kernels.
-_triton_fp4_matmul = fp4_matmul_triton
-_triton_fp4_matmul_t = fp4_matmul_t_triton
+    return out

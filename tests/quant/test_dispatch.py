@@ -1,0 +1,120 @@
+"""qerl.quant.dispatch.choose_kernel, the one rule that picks the FP4 kernel, pinned as a table (no GPU needed)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl.errors import QerlError
+from qerl.quant import dispatch
+from qerl.quant.dispatch import AUTO_ROWS, DENSE_MIN_ROWS, SMALL_MM_MAX_ROWS, choose_kernel
+from qerl.quant.format import quantize_nvfp4
+from qerl.quant.kernels.cuda_fp4 import MAX_ROWS
+from qerl.quant.reference import reference_fp4_matmul, reference_fp4_matmul_t
+
+H100, ADA, A100 = (9, 0), (8, 9), (8, 0)
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+# (op, device, capability, rows, facts, QERL_FP4_CUDA or None for unset, kernel)
+TABLE = [
+    ("forward", "cpu", (0, 0), 1, {}, None, "reference"),
+    ("forward", "cpu", (0, 0), 1, {}, "1", "reference"),
+    ("backward", "cpu", (0, 0), 300, {}, None, "reference"),
+    ("forward", "cuda", H100, 1, {"triton": False}, None, "reference"),
+    ("forward", "cuda", H100, 1, {"nvfp4": False}, None, "reference"),  # MXFP4
+    ("backward", "cuda", H100, 1, {"nvfp4": False}, None, "reference"),
+    ("forward", "cuda", A100, 1, {}, None, "reference"),
+    ("backward", "cuda", A100, 300, {}, None, "reference"),
+    # the hand-written CUDA kernel: auto = up to AUTO_ROWS on sm_90+, "1" = up to MAX_ROWS from sm_89
+    ("forward", "cuda", H100, 1, {}, None, "cuda"),
+    ("forward", "cuda", H100, AUTO_ROWS, {}, "auto", "cuda"),
+    ("forward", "cuda", H100, AUTO_ROWS + 1, {}, None, "triton"),
+    ("forward", "cuda", H100, AUTO_ROWS + 1, {}, "1", "cuda"),
+    ("forward", "cuda", H100, MAX_ROWS, {}, "1", "cuda"),
+    ("forward", "cuda", H100, MAX_ROWS + 1, {}, "1", "triton"),
+    ("forward", "cuda", ADA, 1, {}, None, "triton"),
+    ("forward", "cuda", ADA, 1, {}, "1", "cuda"),
+    ("forward", "cuda", H100, 1, {}, "0", "triton"),
+    ("forward", "cuda", H100, 1, {"dtype": FP16}, None, "triton"),
+    ("forward", "cuda", H100, 1, {"dtype": FP32}, "1", "triton"),
+    ("forward", "cuda", H100, 1, {"cuda_fits": False}, None, "triton"),
+    ("forward", "cuda", H100, 1, {"cuda_fits": False}, "1", "triton"),
+    ("forward", "cuda", H100, 1, {"cuda_builds": False}, None, "triton"),  # auto: no compiler -> Triton
+    ("forward", "cuda", H100, 1, {"cuda_builds": False}, "1", "cuda"),  # "1": the build error raises later
+    # Triton's fused kernel up to DENSE_MIN_ROWS - 1 rows, then dequantize + cuBLAS
+    ("forward", "cuda", H100, 64, {}, None, "triton"),
+    ("forward", "cuda", H100, DENSE_MIN_ROWS - 1, {}, None, "triton"),
+    ("forward", "cuda", H100, DENSE_MIN_ROWS, {}, None, "dense"),
+    ("forward", "cuda", ADA, 4096, {"dtype": FP32}, "0", "dense"),
+    ("backward", "cuda", H100, 1, {}, None, "triton"),
+    ("backward", "cuda", H100, 1, {}, "1", "triton"),  # no CUDA kernel for grad_input
+    ("backward", "cuda", H100, DENSE_MIN_ROWS - 1, {}, None, "triton"),
+    ("backward", "cuda", H100, DENSE_MIN_ROWS, {}, None, "dense"),
+    ("backward", "cuda", H100, 1, {"k_ok": False}, None, "dense"),  # K % 64: the fused grad_input's tile
+    # x @ A.T: Triton for few rows and a narrow w in bf16/fp16, on any CUDA GPU
+    ("small", "cuda", A100, 1, {"n": 96}, None, "triton"),
+    ("small", "cuda", H100, SMALL_MM_MAX_ROWS, {"n": 256, "dtype": FP16}, None, "triton"),
+    ("small", "cuda", H100, SMALL_MM_MAX_ROWS + 1, {"n": 96}, None, "reference"),
+    ("small", "cuda", H100, 8, {"n": 257}, None, "reference"),
+    ("small", "cuda", H100, 8, {"n": 96, "dtype": FP32}, None, "reference"),
+    ("small", "cuda", H100, 8, {"n": 96, "w_dtype": FP32}, None, "reference"),
+    ("small", "cuda", H100, 8, {"n": 96, "triton": False}, None, "reference"),
+    ("small", "cpu", (0, 0), 8, {"n": 96}, None, "reference"),
+]
+
+
+@pytest.mark.parametrize("op,device,cap,rows,facts,env,kernel", TABLE)
+def test_the_rule_as_a_table(op, device, cap, rows, facts, env, kernel):
+    environ = {} if env is None else {"QERL_FP4_CUDA": env}
+    assert choose_kernel(op, device, cap, rows, environ=environ, **facts) == kernel
+
+
+def test_costly_facts_are_asked_only_when_the_rule_reaches_them():
+    """No Triton import off CUDA, no CUDA build past the CUDA kernel's rows or with QERL_FP4_CUDA=1."""
+    def never():
+        raise AssertionError("asked")
+
+    assert choose_kernel("forward", "cpu", (0, 0), 1, triton=never, cuda_fits=never, cuda_builds=never) == "reference"
+    assert choose_kernel("forward", "cuda", H100, AUTO_ROWS + 1, cuda_fits=never, cuda_builds=never,
+                         environ={}) == "triton"
+    assert choose_kernel("forward", "cuda", H100, 1, cuda_fits=lambda: True, cuda_builds=never,
+                         environ={"QERL_FP4_CUDA": "1"}) == "cuda"
+    assert choose_kernel("forward", "cuda", H100, 0, cuda_fits=never, cuda_builds=never, environ={}) == "triton"
+    assert choose_kernel("backward", "cuda", H100, 1, cuda_fits=never, cuda_builds=never,
+                         environ={"QERL_FP4_CUDA": "bad"}) == "triton"  # the variable is the forward's
+
+
+def test_a_bad_environment_value_names_the_variable():
+    with pytest.raises(ValueError, match="QERL_FP4_CUDA"):
+        choose_kernel("forward", "cuda", H100, 200, environ={"QERL_FP4_CUDA": "yes"})
+    with pytest.raises(ValueError, match="op"):
+        choose_kernel("sideways", "cuda", H100, 1)
+
+
+def test_the_environment_is_read_at_each_call(monkeypatch):
+    monkeypatch.setenv("QERL_FP4_CUDA", "0")
+    assert choose_kernel("forward", "cuda", H100, 1) == "triton"
+    monkeypatch.setenv("QERL_FP4_CUDA", "1")
+    assert choose_kernel("forward", "cuda", H100, AUTO_ROWS + 1) == "cuda"
+
+
+def _weight(n=48, k=64, seed=0):
+    torch.manual_seed(seed)
+    return quantize_nvfp4(torch.randn(n, k))
+
+
+def test_cpu_calls_run_the_reference_bit_for_bit():
+    packed, scale, gs = _weight()
+    x, g = torch.randn(3, 5, 64), torch.randn(3, 5, 48)
+    assert torch.equal(dispatch.run_fp4_matmul(x, packed, scale, gs), reference_fp4_matmul(x, packed, scale, gs))
+    assert torch.equal(dispatch.fp4_matmul(x, packed, scale, gs), reference_fp4_matmul(x, packed, scale, gs))
+    assert torch.equal(dispatch.fp4_matmul_t(g, packed, scale, gs), reference_fp4_matmul_t(g, packed, scale, gs))
+    w = torch.randn(16, 64)
+    assert torch.equal(dispatch.small_matmul(x[0], w), x[0] @ w.T)
+
+
+def test_a_forced_kernel_must_be_one_of_the_known_names():
+    packed, scale, gs = _weight()
+    with pytest.raises(QerlError, match="kernel: expected one of reference, cuda, triton, dense"):
+        dispatch.run_fp4_matmul(torch.randn(2, 64), packed, scale, gs, kernel="fused")
+    with pytest.raises(QerlError, match="no grad_input"):
+        dispatch.run_fp4_matmul_t(torch.randn(2, 48), packed, scale, gs, kernel="cuda")
