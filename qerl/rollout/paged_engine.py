@@ -1,0 +1,167 @@
+"""Continuous batching over a paged KV cache, on the very modules being trained (peft LoRA, FP4 layers, AQN noise).
+
+    engine = PagedEngine(model, tokenizer, block_size=16, num_blocks=None)   # None: sized from free GPU memory
+    out = engine.generate(prompt_ids, n=8, sampling=SamplingParams(temperature=1.0, max_tokens=4096, seed=0))
+
+Unlike TorchEngine, memory grows with the tokens actually live, not rows x full length: a row that ends frees its
+blocks at once and waiting rows take its place; when the pool runs out, the newest running row is preempted and
+recomputed later (qerl.rollout.scheduler). Each step is one packed forward ([1, tokens of all scheduled rows]) whose
+attention layers write and read the pool (qerl.rollout.paged_attention). A row's token t is drawn with uniform
+(seed, row, t), exactly as TorchEngine draws it, so rows do not depend on the schedule, the batch or preemption
+beyond floating-point rounding. Log-probs are log_softmax(logits / T) over the full vocabulary (raw logits if greedy).
+"""
+from __future__ import annotations
+
+import torch
+
+from qerl.errors import QerlError
+from qerl.rollout.attention import attention_implementation
+from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
+from qerl.rollout.kv_pool import BlockAllocator, KVPool, kv_shape
+from qerl.rollout.paged_attention import NAME, PagedMeta
+from qerl.rollout.sampling import row_uniforms, sample_tokens
+from qerl.rollout.scheduler import Scheduler, blocks_for, check_fits
+from qerl.rollout.torch_engine import _eos_ids, _inference_mode
+
+_RESERVE_SLACK = 512 * 2**20  # allocator fragmentation and library workspaces, on top of the estimated activations
+
+
+class PagedEngine(RolloutEngine):
+    """Paged-KV continuous batching with the model object given (HF causal LM, peft-wrapped or not).
+
+    block_size: tokens per KV block. num_blocks: pool size including the reserved null block; None = on CUDA from
+    free memory x gpu_memory_utilization (minus a forward's activations), on CPU just enough for every row at full
+    length. max_num_batched_tokens: tokens one step computes (decode rows + prefill chunks). max_num_seqs: running
+    rows cap (None = no cap). eos_token_ids overrides the EOS set read from generation_config and tokenizer.
+    """
+
+    def __init__(self, model, tokenizer, *, block_size: int = 16, num_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.85, max_num_batched_tokens: int = 8192,
+                 max_num_seqs: int | None = None, eos_token_ids=None):
+        for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise QerlError(f"PagedEngine.{name}: expected an int >= 1, got {value!r}")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 2):
+            raise QerlError(f"PagedEngine.num_blocks: expected None or an int >= 2, got {num_blocks!r}")
+        if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
+            raise QerlError(f"PagedEngine.max_num_seqs: expected None or an int >= 1, got {max_num_seqs!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.device = next(model.parameters()).device
+        self.eos_ids = set(_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
+        self.pool: KVPool | None = None
+        self.allocator: BlockAllocator | None = None  # the last call's, for inspection
+        self.stats: dict = {}
+
+    # ---------------------------------------------------------------- public API
+    def generate(self, prompt_ids, n: int = 1, sampling: SamplingParams | None = None) -> RolloutOutput:
+        sampling = sampling or SamplingParams()
+        prompts = check_prompts(prompt_ids, n)
+        if self.num_blocks is not None:  # known size: refuse before allocating anything
+            check_fits(prompts, sampling.max_tokens, self.block_size, self.num_blocks)
+        pool = self._pool_for(prompts, n, sampling.max_tokens)
+        check_fits(prompts, sampling.max_tokens, self.block_size, pool.num_blocks)
+        base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        uniforms = None if sampling.greedy else row_uniforms(base_seed, 0, len(prompts) * n, sampling.max_tokens,
+                                                             self.device)
+        self.allocator = BlockAllocator(pool.num_blocks)
+        sched = Scheduler(prompts, n, sampling.max_tokens, self.allocator, self.block_size,
+                          self.max_num_batched_tokens, self.max_num_seqs)
+        with _inference_mode(self.model), attention_implementation(self.model, NAME):
+            while not sched.done():
+                self._step(sched, pool, sampling, uniforms)
+        self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes)
+        return RolloutOutput(
+            prompt_ids=[p for p in prompts for _ in range(n)],
+            completion_ids=[s.output for s in sched.seqs], logprobs=[s.logprobs for s in sched.seqs],
+            finish_reasons=[s.finish_reason for s in sched.seqs], stats=dict(self.stats))
+
+    def release(self) -> None:
+        """Give the KV pool's memory back (the next call allocates a new one)."""
+        if self.pool is not None:
+            self.pool.release()
+        self.pool = None
+
+    def close(self) -> None:
+        self.release()
+
+    # ---------------------------------------------------------------- one step
+    def _step(self, sched: Scheduler, pool: KVPool, sampling: SamplingParams, uniforms) -> None:
+        """Plan, one packed forward, sample where a row reached its last token, update the scheduler."""
+        chunks = sched.schedule()
+        ids = [t for c in chunks for t in c.seq.tokens[c.start:c.end]]
+        pos = [p for c in chunks for p in range(c.start, c.end)]
+        ends, samplers, last = [], [], 0
+        for c in chunks:
+            last += c.end - c.start
+            if c.samples:
+                ends.append(last - 1)
+                samplers.append(c.seq)
+        meta = PagedMeta.build(pool, [(c.seq.blocks, c.start, c.end) for c in chunks], self.device)
+        logits = self._forward(ids, pos, meta, ends)
+        sched.commit(chunks)
+        if samplers:
+            pool.copy_blocks(sched.update(self._sample(sched, samplers, logits, sampling, uniforms)))
+
+    def _forward(self, ids, pos, meta: PagedMeta, keep) -> torch.Tensor:
+        """Logits (len(keep), vocab) in float32 at the packed positions `keep`."""
+        dev = self.device
+        out = self.model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
+                         attention_mask=None, use_cache=False, qerl_paged=meta,
+                         logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev))
+        return out.logits[0].float()
+
+    def _sample(self, sched: Scheduler, samplers, logits, sampling: SamplingParams, uniforms) -> list:
+        """[(seq, token, logprob, finish reason or None)]; a group's first tokens all come from its prompt's logits."""
+        targets = [(seq, i) for i, s in enumerate(samplers) for seq in sched.sampling_rows(s)]
+        dev = self.device
+        u = None
+        if uniforms is not None:
+            rows = torch.tensor([s.row for s, _ in targets], device=dev)
+            steps = torch.tensor([len(s.output) for s, _ in targets], device=dev)
+            u = uniforms[rows, steps]
+        if len(targets) != len(samplers):  # a fork: the group's rows share their prompt's logits row
+            logits = logits[torch.tensor([i for _, i in targets], dtype=torch.long, device=dev)]
+        tok, lp = sample_tokens(logits, sampling, u)
+        tok, lp = tok.tolist(), lp.tolist()
+        reasons = self._finish_reasons([s for s, _ in targets], tok, sampling)
+        return [(s, t, p, r) for (s, _), t, p, r in zip(targets, tok, lp, reasons)]
+
+    def _finish_reasons(self, seqs, tokens, sampling: SamplingParams) -> list:
+        """"stop" for EOS or a stop string in the decoded tail (as qerl.rollout.sampling.StopChecker), "length"
+        at max_tokens, else None."""
+        hits = [t in self.eos_ids for t in tokens]
+        if sampling.stop:
+            window = 2 * max(len(s) for s in sampling.stop) + 2
+            tails = [(seq.output + [t])[-window:] for seq, t in zip(seqs, tokens)]
+            texts = self.tokenizer.batch_decode(tails, skip_special_tokens=False)
+            hits = [h or any(s in text for s in sampling.stop) for h, text in zip(hits, texts)]
+        return ["stop" if hit else "length" if len(seq.output) + 1 >= sampling.max_tokens else None
+                for seq, hit in zip(seqs, hits)]
+
+    # ---------------------------------------------------------------- the pool
+    def _pool_for(self, prompts, n: int, max_tokens: int) -> KVPool:
+        if self.num_blocks is None and self.device.type != "cuda":  # CPU: room for every row, no preemption
+            need = 1 + n * sum(blocks_for(len(p) + max_tokens - 1, self.block_size) for p in prompts)
+            if self.pool is None or self.pool.num_blocks < need:
+                self.release()
+                self.pool = KVPool(self.model, self.block_size, need)
+        elif self.pool is None:
+            self.pool = KVPool(self.model, self.block_size, self.num_blocks, self.gpu_memory_utilization,
+                               reserve_bytes=_forward_reserve(self.model, self.max_num_batched_tokens,
+                                                              self.max_num_seqs))
+        return self.pool
+
+
+def _forward_reserve(model, max_tokens: int, max_seqs: int | None) -> int:
+    """Rough peak activations of one step of max_tokens tokens, kept out of the KV pool: per token the residual,
+    MLP and attention projections (x2 for temporaries), and float32 logits + softmax + sampling buffers per row."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    _, kv_heads, head_dim = kv_shape(model)
+    itemsize = next(p for p in model.parameters() if p.is_floating_point()).element_size()
+    per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size
+                 + (cfg.num_attention_heads + 2 * kv_heads) * head_dim) * itemsize * 2
+    rows = min(max_tokens, max_seqs or max_tokens)
+    return max_tokens * per_token + rows * cfg.vocab_size * 4 * 4 + _RESERVE_SLACK

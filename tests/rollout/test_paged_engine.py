@@ -1,0 +1,196 @@
+"""PagedEngine against TorchEngine (dynamic cache) on the tiny Qwen2 with the real tokenizer, CPU.
+
+Sampled comparisons run the model in float64: in float32 the ~1e-7 differences between a padded batched forward and
+a packed one move some inverse-CDF draws across a token boundary (a random model's distribution is near uniform).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qerl.errors import QerlError
+from qerl.rollout import SamplingParams
+from qerl.rollout.paged_engine import PagedEngine
+from qerl.rollout.torch_engine import TorchEngine
+
+TEXTS = ["Hello there, how are you today?", "2+2=", "The quick brown fox jumps over the lazy dog, twice."]
+
+
+@pytest.fixture(scope="module")
+def model_and_tok(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def model64(model_and_tok):
+    return copy.deepcopy(model_and_tok[0]).double()
+
+
+@pytest.fixture(scope="module")
+def prompts(model_and_tok):
+    return [model_and_tok[1](t)["input_ids"] for t in TEXTS]  # 8, 4 and 12 tokens
+
+
+def same_rows(a, b, atol=1e-5):
+    assert a.completion_ids == b.completion_ids and a.finish_reasons == b.finish_reasons
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert torch.allclose(torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64), atol=atol)
+
+
+def count_forward_tokens(model):
+    """Tokens fed to the decoder per forward, through a hook on the innermost Qwen2Model."""
+    seen = []
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hook = inner.model.register_forward_pre_hook(
+        lambda mod, args, kw: seen.append(kw["input_ids"].numel()), with_kwargs=True)
+    return seen, hook
+
+
+@pytest.mark.parametrize("n,block_size", [(1, 16), (3, 3)])  # 3: partial last prompt blocks
+def test_greedy_equals_torch_engine(model_and_tok, prompts, n, block_size):
+    model, tok = model_and_tok
+    params = SamplingParams(temperature=0, max_tokens=12)
+    ref = TorchEngine(model, tok, cache="dynamic", eos_token_ids=()).generate(prompts, n, params)
+    out = PagedEngine(model, tok, block_size=block_size, eos_token_ids=()).generate(prompts, n, params)
+    assert out.prompt_ids == ref.prompt_ids
+    same_rows(out, ref)
+    assert model.config._attn_implementation == "sdpa"  # switched back after the call
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=1.0), dict(temperature=0.7, top_k=50, top_p=0.9)])
+def test_sampled_equals_torch_engine(model64, model_and_tok, prompts, knobs):
+    tok = model_and_tok[1]
+    params = SamplingParams(max_tokens=10, seed=3, **knobs)
+    ref = TorchEngine(model64, tok, cache="dynamic", eos_token_ids=()).generate(prompts, 3, params)
+    out = PagedEngine(model64, tok, block_size=5, eos_token_ids=()).generate(prompts, 3, params)
+    same_rows(out, ref, atol=1e-9)
+    assert len({tuple(c) for c in out.completion_ids}) > len(prompts)  # the samples of a prompt differ
+
+
+def test_small_pool_preempts_and_returns_the_unconstrained_rows(model64, model_and_tok, prompts):
+    tok = model_and_tok[1]
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=5)
+    free = PagedEngine(model64, tok, block_size=4, eos_token_ids=()).generate(prompts, 2, params)
+    eos = free.completion_ids[1][6]  # a token row 1 samples: some rows now end early, freeing blocks mid-call
+    runs = [PagedEngine(model64, tok, block_size=4, num_blocks=nb, eos_token_ids=[eos]).generate(prompts, 2, params)
+            for nb in (None, 9)]
+    assert runs[1].stats["preemptions"] > 0 and runs[0].stats["preemptions"] == 0
+    assert "stop" in runs[1].finish_reasons
+    same_rows(runs[1], runs[0], atol=1e-9)
+
+
+def test_over_long_sequence_is_one_line_error_before_any_forward(model_and_tok, prompts):
+    model, tok = model_and_tok
+    engine = PagedEngine(model, tok, block_size=4, num_blocks=6, eos_token_ids=())
+    seen, hook = count_forward_tokens(model)
+    try:
+        with pytest.raises(QerlError) as err:
+            engine.generate(prompts, 2, SamplingParams(temperature=0, max_tokens=10))  # 12 + 9 positions: 6 blocks
+    finally:
+        hook.remove()
+    assert seen == [] and engine.pool is None  # nothing ran, nothing allocated
+    msg = str(err.value)
+    assert "\n" not in msg and "prompt 2 (12 tokens) + max_tokens 10 needs 6 KV blocks" in msg and "pool has 5" in msg
+    assert "max_prompt_length + max_completion_length" in msg and "gpu_memory_utilization" in msg
+    out = engine.generate(prompts, 2, SamplingParams(temperature=0, max_tokens=8))  # 12 + 7 positions: 5 blocks
+    assert [len(c) for c in out.completion_ids] == [8] * 6
+
+
+def test_prompt_prefilled_once_per_group_and_blocks_all_free(model_and_tok, prompts):
+    model, tok = model_and_tok
+    engine = PagedEngine(model, tok, block_size=5, eos_token_ids=())
+    seen, hook = count_forward_tokens(model)
+    try:
+        out = engine.generate(prompts, 8, SamplingParams(max_tokens=5, seed=0))
+    finally:
+        hook.remove()
+    rows = len(prompts) * 8
+    assert sum(seen) == sum(map(len, prompts)) + rows * (5 - 1)  # prompts once, then one token per row and step
+    assert out.stats["prefill_tokens"] == sum(map(len, prompts)) and out.stats["forks"] == len(prompts) * 7
+    alloc = engine.allocator
+    assert alloc.all_free() and all(alloc.ref_count(b) == 0 for b in range(alloc.num_blocks))
+
+
+def test_rows_do_not_depend_on_the_rest_of_the_batch(model64, model_and_tok, prompts):
+    tok = model_and_tok[1]
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=11)
+    engine = PagedEngine(model64, tok, block_size=4, eos_token_ids=())
+    alone = engine.generate(prompts[:1], 2, params)
+    batch = engine.generate(prompts, 2, params)
+    assert batch.completion_ids[:2] == alone.completion_ids  # rows 0-1: same (seed, row), other prompts added
+    chunked = PagedEngine(model64, tok, block_size=4, max_num_batched_tokens=3, max_num_seqs=2,
+                          eos_token_ids=()).generate(prompts, 2, params)
+    same_rows(chunked, batch, atol=1e-9)  # chunked prefill, two rows at a time
+
+
+def test_peft_lora_and_in_place_changes_are_seen_by_the_next_call(tiny_model_dir, prompts):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)  # init_lora_weights=False: random non-zero B, so the adapter changes the outputs
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                           LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"],
+                                      init_lora_weights=False))
+    model.train()
+    params = SamplingParams(temperature=0, max_tokens=8)
+    engine = PagedEngine(model, tok, block_size=4, eos_token_ids=())
+    before = engine.generate(prompts, 2, params)
+    assert model.training and model.base_model.model.model.layers[0].training  # training mode restored
+    same_rows(before, TorchEngine(model, tok, cache="dynamic", eos_token_ids=()).generate(prompts, 2, params))
+    with torch.no_grad():  # a LoRA update and AQN-style noise on the RMSNorm weights, in place
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-1.5)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    after = engine.generate(prompts, 2, params)
+    assert after.completion_ids != before.completion_ids
+    same_rows(after, TorchEngine(model, tok, cache="dynamic", eos_token_ids=()).generate(prompts, 2, params))
+
+
+def test_eos_and_stop_strings_end_rows_as_torch_engine(model_and_tok, prompts):
+    model, tok = model_and_tok
+    free = TorchEngine(model, tok, eos_token_ids=()).generate(prompts, 1, SamplingParams(temperature=0, max_tokens=12))
+    text = tok.decode(free.completion_ids[1][4:6])
+    stop = text.strip()[:3] or text[:3]
+    eos = free.completion_ids[0][3]
+    for params in (SamplingParams(temperature=0, max_tokens=12, stop=(stop,)),
+                   SamplingParams(temperature=0, max_tokens=12)):
+        ref = TorchEngine(model, tok, cache="dynamic", eos_token_ids=[eos]).generate(prompts, 2, params)
+        out = PagedEngine(model, tok, block_size=4, eos_token_ids=[eos]).generate(prompts, 2, params)
+        same_rows(out, ref)
+        assert "stop" in out.finish_reasons
+    short = PagedEngine(model, tok, eos_token_ids=()).generate(prompts, 2, SamplingParams(max_tokens=1, seed=0))
+    assert [len(c) for c in short.completion_ids] == [1] * 6 and set(short.finish_reasons) == {"length"}
+
+
+def test_llama_shaped_model_equals_torch_engine(model_and_tok, prompts):
+    """Not only Qwen2: any model whose mask comes from create_causal_mask (here Llama, 4 query / 2 KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = model_and_tok[1]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=model_and_tok[0].config.vocab_size, hidden_size=64,
+                                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2)).eval()
+    params = SamplingParams(temperature=0, max_tokens=10)
+    ref = TorchEngine(model, tok, cache="dynamic", eos_token_ids=()).generate(prompts, 2, params)
+    same_rows(PagedEngine(model, tok, block_size=8, eos_token_ids=()).generate(prompts, 2, params), ref)
+
+
+def test_bad_arguments_raise_one_line_errors(model_and_tok):
+    model, tok = model_and_tok
+    for kw, field in ((dict(block_size=0), "block_size"), (dict(num_blocks=1), "num_blocks"),
+                      (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+                      (dict(max_num_seqs=0), "max_num_seqs")):
+        with pytest.raises(QerlError, match=field):
+            PagedEngine(model, tok, **kw)
+    with pytest.raises(QerlError, match="prompt_ids"):
+        PagedEngine(model, tok).generate([], 1)
