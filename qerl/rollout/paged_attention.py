@@ -10,11 +10,12 @@ every row's queries over that row's blocks. "qerl_paged" is not registered as a 
 `create_causal_mask` returns None without building anything (transformers' path for vLLM/TGI-style backends): the
 causal structure comes from the block tables and lengths here, for any model that builds its mask that way.
 
-Backends: rows with one query token (decode) go through `_decode` - today the torch reference (gather the rows'
-blocks, one batched masked matmul per layer, K/V read once per KV head); the seam for a Triton paged decode kernel on
-CUDA (the block-table version of qerl::gqa_decode). Rows with several query tokens (prefill, chunked prefill,
-recompute) go through `_prefill_reference`: causal SDPA with the cached-length offset, one call per row; the seam for
-torch's varlen_attn(block_table=...) on CUDA.
+Backends: rows with one query token (decode) go through `_decode`: on CUDA the Triton paged kernel
+(qerl.rollout.triton_paged: block tables and lengths, no gathered copy), elsewhere the torch reference (gather the
+rows' blocks, one batched masked matmul per layer, K/V read once per KV head). Rows with several query tokens
+(prefill, chunked prefill, recompute) go through `_prefill_reference`: causal SDPA with the cached-length offset,
+one call per row; the seam for torch's varlen_attn(block_table=...) on CUDA. A step of decode rows only (the
+CUDA-graph step, `PagedMeta.decode_only`) needs no host-side gathers at all: its meta holds four tensors.
 """
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
+
+try:  # the CUDA decode kernel; absent (no Triton), every decode row takes the reference
+    from qerl.rollout import triton_paged
+except ImportError:
+    triton_paged = None
 
 NAME = "qerl_paged"
 
@@ -40,44 +46,60 @@ class PrefillRow:
 class PagedMeta:
     """Everything a layer needs for one packed step; built once per step, read by every layer.
 
-    slot_mapping[T]: pool slot each new token's K/V goes to. block_table[B, max_blocks] (0 = null block) and
-    context_lens[B] (keys after this step's write) describe every row, for kernels. The reference paths use the
-    precomputed gathers: decode_tokens[Bd] (packed index of each decode row's token), decode_slots[Bd, Lmax]
-    (slots of its keys, padded with slot 0) and decode_mask[Bd, 1, 1, Lmax]; prefill rows one by one.
+    slot_mapping[T]: pool slot each new token's K/V goes to. Decode rows (one query token): decode_tokens[Bd]
+    (packed index of each), decode_table[Bd, W] int32 (block ids, 0 = null block) and decode_lens[Bd] int32 (keys
+    after this step's write), for the kernel; decode_all: every packed token is a decode row in order (no gather).
+    The CPU reference gathers decode_slots[Bd, Lmax] / decode_mask[Bd, 1, 1, Lmax] on first use (decode_max_len:
+    Lmax). Prefill rows one by one in `prefill`.
     """
 
     pool: object
     slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    context_lens: torch.Tensor
     decode_tokens: torch.Tensor
-    decode_slots: torch.Tensor
-    decode_mask: torch.Tensor
+    decode_table: torch.Tensor
+    decode_lens: torch.Tensor
     prefill: list
+    decode_all: bool = False
+    decode_max_len: int = 1
+    _gather: tuple | None = None
 
     @classmethod
     def build(cls, pool, rows, device) -> PagedMeta:
         """rows: [(block ids, start, end)] in packed order; row i computes positions start..end-1."""
         bs = pool.block_size
         slot_mapping = [b[p // bs] * bs + p % bs for b, s, e in rows for p in range(s, e)]
-        width = max(len(b) for b, _, _ in rows)
-        table = torch.tensor([b + [0] * (width - len(b)) for b, _, _ in rows], dtype=torch.long, device=device)
-        ends = [e for _, _, e in rows]
-        lens = torch.tensor(ends, dtype=torch.long, device=device)
         begins = [0]
         for _, s, e in rows:
             begins.append(begins[-1] + e - s)
         decode = [i for i, (_, s, e) in enumerate(rows) if e - s == 1]
-        d_idx = torch.tensor(decode, dtype=torch.long, device=device)
-        d_len = max((ends[i] for i in decode), default=1)
-        d_keep = torch.arange(d_len, device=device)[None, :] < lens[d_idx][:, None]
-        d_slots = _slot_grid(table[d_idx], bs, d_len).masked_fill(~d_keep, 0)  # padding reads the null block
-        prefill = [_prefill_row(begins[i], s, e, _slot_grid(table[i:i + 1], bs, e)[0], device)
-                   for i, (_, s, e) in enumerate(rows) if e - s > 1]
+        width = max((len(rows[i][0]) for i in decode), default=1)
+        table = torch.tensor([rows[i][0] + [0] * (width - len(rows[i][0])) for i in decode],
+                             dtype=torch.int32, device=device).reshape(len(decode), width)
+        prefill = [_prefill_row(begins[i], s, e, _slot_grid(torch.tensor([b], device=device), bs, e)[0], device)
+                   for i, (b, s, e) in enumerate(rows) if e - s > 1]
         return cls(pool=pool, slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-                   block_table=table, context_lens=lens,
                    decode_tokens=torch.tensor([begins[i] for i in decode], dtype=torch.long, device=device),
-                   decode_slots=d_slots, decode_mask=d_keep[:, None, None, :], prefill=prefill)
+                   decode_table=table,
+                   decode_lens=torch.tensor([rows[i][2] for i in decode], dtype=torch.int32, device=device),
+                   prefill=prefill, decode_all=len(decode) == len(rows) == len(slot_mapping),
+                   decode_max_len=max((rows[i][2] for i in decode), default=1))
+
+    @classmethod
+    def decode_step(cls, pool, slot_mapping, table, lens) -> PagedMeta:
+        """A step of decode rows only, from (static) device tensors: what a captured CUDA graph reads. The
+        reference, if it runs, gathers the table's full width (a static shape; keys past a row's length masked)."""
+        return cls(pool=pool, slot_mapping=slot_mapping, decode_tokens=torch.arange(0), decode_table=table,
+                   decode_lens=lens, prefill=[], decode_all=True, decode_max_len=table.shape[1] * pool.block_size)
+
+    def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [Bd, Lmax], keep [Bd, 1, 1, Lmax]) of the decode rows' keys, padding on slot 0: the reference's."""
+        if self._gather is None:
+            bs = self.pool.block_size
+            keep = (torch.arange(self.decode_max_len, device=self.decode_lens.device)[None, :]
+                    < self.decode_lens[:, None])
+            slots = _slot_grid(self.decode_table.long(), bs, self.decode_max_len).masked_fill(~keep, 0)
+            self._gather = (slots, keep[:, None, None, :])
+        return self._gather
 
 
 def _slot_grid(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -106,6 +128,8 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     k_cache, v_cache = meta.pool.layer(module.layer_idx)
     _write(k_cache, v_cache, key, value, meta.slot_mapping)
     q = query[0].transpose(0, 1)  # (T, H, D)
+    if meta.decode_all:
+        return _decode(q, k_cache, v_cache, meta, scale)[None], None
     out = torch.empty_like(q)
     if meta.decode_tokens.numel():
         out[meta.decode_tokens] = _decode(q[meta.decode_tokens], k_cache, v_cache, meta, scale)
@@ -115,13 +139,41 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
 
 
 def _write(k_cache, v_cache, key, value, slots) -> None:
+    _write_op(k_cache, v_cache, key[0].transpose(0, 1).to(k_cache.dtype), value[0].transpose(0, 1).to(v_cache.dtype),
+              slots)
+
+
+# Custom ops, so that torch.compile treats the pool write and the Triton kernel as opaque calls: the pool is
+# written in place (never functionalised into a copy of the whole pool) and the kernel launch is not traced.
+@torch.library.custom_op("qerl::paged_write", mutates_args=("k_cache", "v_cache"))
+def _write_op(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              slots: torch.Tensor) -> None:
+    """key/value (T, Hkv, D) into the flattened pool at slots[T]."""
     flat_shape = (-1, *k_cache.shape[2:])
-    k_cache.view(flat_shape).index_copy_(0, slots, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(flat_shape).index_copy_(0, slots, value[0].transpose(0, 1).to(v_cache.dtype))
+    k_cache.view(flat_shape).index_copy_(0, slots, key)
+    v_cache.view(flat_shape).index_copy_(0, slots, value)
+
+
+@_write_op.register_fake
+def _(k_cache, v_cache, key, value, slots):
+    return None
+
+
+@torch.library.custom_op("qerl::paged_decode", mutates_args=())
+def _paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                     lens: torch.Tensor, scale: float) -> torch.Tensor:
+    return triton_paged.paged_decode(q, k_cache, v_cache, table, lens, scale)
+
+
+@_paged_decode_op.register_fake
+def _(q, k_cache, v_cache, table, lens, scale):
+    return q.new_empty(q.shape)
 
 
 def _decode(q, k_cache, v_cache, meta: PagedMeta, scale: float) -> torch.Tensor:
-    """One query token per row: (Bd, H, D). The seam for a Triton paged decode kernel (block table + lengths)."""
+    """One query token per row: (Bd, H, D); the Triton paged kernel where it runs, else the reference."""
+    if triton_paged is not None and triton_paged.supported(q, k_cache):
+        return _paged_decode_op(q, k_cache, v_cache, meta.decode_table, meta.decode_lens, float(scale))
     return _decode_reference(q, k_cache, v_cache, meta, scale)
 
 
@@ -130,11 +182,12 @@ def _decode_reference(q, k_cache, v_cache, meta: PagedMeta, scale: float) -> tor
     b, h, d = q.shape
     kv = k_cache.shape[2]
     flat = (-1, kv, d)
-    keys = k_cache.view(flat)[meta.decode_slots].permute(0, 2, 1, 3)  # (Bd, Hkv, L, D)
-    values = v_cache.view(flat)[meta.decode_slots].permute(0, 2, 1, 3)
+    slots, keep = meta.decode_gather()
+    keys = k_cache.view(flat)[slots].permute(0, 2, 1, 3)  # (Bd, Hkv, L, D)
+    values = v_cache.view(flat)[slots].permute(0, 2, 1, 3)
     grouped = q.reshape(b, kv, h // kv, d)  # query head kv*g + j uses KV head kv (transformers' repeat_kv order)
     out = torch.nn.functional.scaled_dot_product_attention(
-        grouped.to(keys.dtype), keys, values, attn_mask=meta.decode_mask, scale=scale)
+        grouped.to(keys.dtype), keys, values, attn_mask=keep, scale=scale)
     return out.reshape(b, h, d).to(q.dtype)
 
 

@@ -6,7 +6,9 @@
 Unlike TorchEngine, memory grows with the tokens actually live, not rows x full length: a row that ends frees its
 blocks at once and waiting rows take its place; when the pool runs out, the newest running row is preempted and
 recomputed later (qerl.rollout.scheduler). Each step is one packed forward ([1, tokens of all scheduled rows]) whose
-attention layers write and read the pool (qerl.rollout.paged_attention). A row's token t is drawn with uniform
+attention layers write and read the pool (qerl.rollout.paged_attention). A step of decode rows only runs padded to
+a batch-size bucket from static buffers, as a CUDA graph on CUDA (qerl.rollout.paged_graphs); steps with prefill
+chunks or forks run eagerly. A row's token t is drawn with uniform
 (seed, row, t), exactly as TorchEngine draws it, so rows do not depend on the schedule, the batch or preemption
 beyond floating-point rounding. Log-probs are log_softmax(logits / T) over the full vocabulary (raw logits if greedy).
 """
@@ -18,10 +20,14 @@ from qerl.errors import QerlError
 from qerl.rollout.attention import attention_implementation
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
 from qerl.rollout.kv_pool import BlockAllocator, KVPool, kv_shape
-from qerl.rollout.paged_attention import NAME, PagedMeta
+from qerl.rollout.paged_attention import NAME, PagedMeta, triton_paged
+from qerl.rollout.paged_graphs import DecodeGraphs, decode_forward
 from qerl.rollout.sampling import row_uniforms, sample_tokens
 from qerl.rollout.scheduler import Scheduler, blocks_for, check_fits
-from qerl.rollout.torch_engine import _eos_ids, _inference_mode
+from qerl.rollout.torch_engine import (_compile_options, _eos_ids, _inference_mode, _model_signature,
+                                       _sampling_key)
+
+_MAX_BUCKET = 512  # largest decode bucket when max_num_seqs is None; more running rows decode unpadded
 
 _RESERVE_SLACK = 512 * 2**20  # allocator fragmentation and library workspaces, on top of the estimated activations
 
@@ -33,11 +39,16 @@ class PagedEngine(RolloutEngine):
     free memory x gpu_memory_utilization (minus a forward's activations), on CPU just enough for every row at full
     length. max_num_batched_tokens: tokens one step computes (decode rows + prefill chunks). max_num_seqs: running
     rows cap (None = no cap). eos_token_ids overrides the EOS set read from generation_config and tokenizer.
+    decode_buckets: decode-only steps run padded to a batch-size bucket from static buffers (True), captured as
+    CUDA graphs on CUDA where the Triton decode kernel runs; False: every step packed and eager; "auto": on CUDA.
+    compile: torch.compile the bucketed decode forward (True, False, or "auto" = where it is captured as CUDA
+    graphs), as TorchEngine's; a compile failure warns and decodes uncompiled.
     """
 
     def __init__(self, model, tokenizer, *, block_size: int = 16, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.85, max_num_batched_tokens: int = 8192,
-                 max_num_seqs: int | None = None, eos_token_ids=None):
+                 max_num_seqs: int | None = None, eos_token_ids=None, decode_buckets="auto",
+                 compile="auto"):
         for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise QerlError(f"PagedEngine.{name}: expected an int >= 1, got {value!r}")
@@ -45,12 +56,20 @@ class PagedEngine(RolloutEngine):
             raise QerlError(f"PagedEngine.num_blocks: expected None or an int >= 2, got {num_blocks!r}")
         if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
             raise QerlError(f"PagedEngine.max_num_seqs: expected None or an int >= 1, got {max_num_seqs!r}")
+        if decode_buckets not in (True, False, "auto"):
+            raise QerlError(f"PagedEngine.decode_buckets: expected True, False or 'auto', got {decode_buckets!r}")
+        if compile not in (True, False, "auto"):
+            raise QerlError(f"PagedEngine.compile: expected True, False or 'auto', got {compile!r}")
         self.model, self.tokenizer = model, tokenizer
         self.block_size, self.num_blocks = block_size, num_blocks
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.device = next(model.parameters()).device
         self.eos_ids = set(_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
+        self.decode_buckets = decode_buckets is True or (decode_buckets == "auto" and self.device.type == "cuda")
+        self._graphs: DecodeGraphs | None = None  # kept across calls while its key matches
+        self.compile = compile
+        self._compiled = None  # the compiled decode forward, built on first use
         self.pool: KVPool | None = None
         self.allocator: BlockAllocator | None = None  # the last call's, for inspection
         self.stats: dict = {}
@@ -64,15 +83,19 @@ class PagedEngine(RolloutEngine):
         pool = self._pool_for(prompts, n, sampling.max_tokens)
         check_fits(prompts, sampling.max_tokens, self.block_size, pool.num_blocks)
         base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        uniforms = None if sampling.greedy else row_uniforms(base_seed, 0, len(prompts) * n, sampling.max_tokens,
-                                                             self.device)
+        host_uniforms = None if sampling.greedy else row_uniforms(base_seed, 0, len(prompts) * n,
+                                                                  sampling.max_tokens, "cpu")
+        uniforms = None if host_uniforms is None else (host_uniforms.to(self.device), host_uniforms.numpy())
         self.allocator = BlockAllocator(pool.num_blocks)
         sched = Scheduler(prompts, n, sampling.max_tokens, self.allocator, self.block_size,
                           self.max_num_batched_tokens, self.max_num_seqs)
         with _inference_mode(self.model), attention_implementation(self.model, NAME):
+            graphs = self._graphs_for(prompts, sampling, pool)
+            before = dict(graphs.stats) if graphs is not None else {}
             while not sched.done():
-                self._step(sched, pool, sampling, uniforms)
-        self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes)
+                self._step(sched, pool, sampling, uniforms, graphs)
+        graph_stats = {k: v - before[k] for k, v in graphs.stats.items()} if graphs is not None else {}
+        self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes, **graph_stats)
         return RolloutOutput(
             prompt_ids=[p for p in prompts for _ in range(n)],
             completion_ids=[s.output for s in sched.seqs], logprobs=[s.logprobs for s in sched.seqs],
@@ -82,15 +105,44 @@ class PagedEngine(RolloutEngine):
         """Give the KV pool's memory back (the next call allocates a new one)."""
         if self.pool is not None:
             self.pool.release()
-        self.pool = None
+        self.pool, self._graphs = None, None  # graphs read the pool by address
 
     def close(self) -> None:
         self.release()
 
     # ---------------------------------------------------------------- one step
-    def _step(self, sched: Scheduler, pool: KVPool, sampling: SamplingParams, uniforms) -> None:
+    def _graphs_for(self, prompts, sampling: SamplingParams, pool: KVPool) -> DecodeGraphs | None:
+        """The bucketed decode steps of this call: the last call's while nothing they depend on changed."""
+        if not self.decode_buckets:
+            return None
+        longest = max(len(p) for p in prompts) + sampling.max_tokens - 1
+        width = 1 << (blocks_for(longest, self.block_size) - 1).bit_length()  # power of two: fewer recaptures
+        key = (width, _sampling_key(sampling), _model_signature(self.model), id(pool),
+               pool.key[0].data_ptr() if pool.key else 0)
+        if self._graphs is None or self._graphs.key != key:
+            self._graphs = None  # free the previous graphs' memory first
+            heads = self.model.config.get_text_config().num_attention_heads
+            graphed = self.device.type == "cuda" and triton_paged is not None and triton_paged.supported(
+                torch.empty(1, heads, pool.head_dim, device=self.device), pool.key[0])
+            self._graphs = DecodeGraphs(self.model, pool, sampling, width, self.max_num_seqs or _MAX_BUCKET, key,
+                                        forward=self._decode_forward(graphed))
+            self._graphs.capture_ok = graphed  # else the reference's gathers: padded, but not worth a graph
+        return self._graphs
+
+    def _decode_forward(self, graphed: bool):
+        """The bucketed step's forward: compiled (one dynamic-shape graph for every bucket) unless turned off."""
+        if not (self.compile is True or (self.compile == "auto" and graphed)):
+            return None
+        if self._compiled is None:
+            self._compiled = torch.compile(decode_forward, dynamic=True, options=_compile_options(self.device))
+        return self._compiled
+
+    def _step(self, sched: Scheduler, pool: KVPool, sampling: SamplingParams, uniforms, graphs) -> None:
         """Plan, one packed forward, sample where a row reached its last token, update the scheduler."""
         chunks = sched.schedule()
+        if graphs is not None and _decode_only(chunks) and graphs.bucket(len(chunks)) is not None:
+            self._bucketed_step(sched, chunks, sampling, uniforms, graphs)
+            return
         ids = [t for c in chunks for t in c.seq.tokens[c.start:c.end]]
         pos = [p for c in chunks for p in range(c.start, c.end)]
         ends, samplers, last = [], [], 0
@@ -104,6 +156,22 @@ class PagedEngine(RolloutEngine):
         sched.commit(chunks)
         if samplers:
             pool.copy_blocks(sched.update(self._sample(sched, samplers, logits, sampling, uniforms)))
+
+    def _bucketed_step(self, sched: Scheduler, chunks, sampling: SamplingParams, uniforms, graphs) -> None:
+        """A decode-only step through the static buffers (a graph replay on CUDA); no forks can happen here."""
+        bs = self.block_size
+        seqs = [c.seq for c in chunks]
+        pos = [c.start for c in chunks]
+        u = None if uniforms is None else uniforms[1][[s.row for s in seqs], [len(s.output) for s in seqs]]
+        tok, lp = graphs.run([s.tokens[p] for s, p in zip(seqs, pos)], pos,
+                             [s.blocks[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
+                             [s.blocks for s in seqs], [p + 1 for p in pos], u)
+        if graphs.compile_failed:
+            self.compile = False
+        reasons = self._finish_reasons(seqs, tok, sampling)
+        sched.commit(chunks)
+        copies = sched.update(list(zip(seqs, tok, lp, reasons)))
+        assert not copies, "a decode-only step forked a group"
 
     def _forward(self, ids, pos, meta: PagedMeta, keep) -> torch.Tensor:
         """Logits (len(keep), vocab) in float32 at the packed positions `keep`."""
@@ -121,7 +189,7 @@ class PagedEngine(RolloutEngine):
         if uniforms is not None:
             rows = torch.tensor([s.row for s, _ in targets], device=dev)
             steps = torch.tensor([len(s.output) for s, _ in targets], device=dev)
-            u = uniforms[rows, steps]
+            u = uniforms[0][rows, steps]
         if len(targets) != len(samplers):  # a fork: the group's rows share their prompt's logits row
             logits = logits[torch.tensor([i for _, i in targets], dtype=torch.long, device=dev)]
         tok, lp = sample_tokens(logits, sampling, u)
@@ -153,6 +221,11 @@ class PagedEngine(RolloutEngine):
                                reserve_bytes=_forward_reserve(self.model, self.max_num_batched_tokens,
                                                               self.max_num_seqs))
         return self.pool
+
+
+def _decode_only(chunks) -> bool:
+    """Every chunk is one token of a row that samples only for itself (its group already forked)."""
+    return all(c.end - c.start == 1 and c.samples and c.seq.group.forked for c in chunks)
 
 
 def _forward_reserve(model, max_tokens: int, max_seqs: int | None) -> int:

@@ -189,8 +189,57 @@ def test_bad_arguments_raise_one_line_errors(model_and_tok):
     model, tok = model_and_tok
     for kw, field in ((dict(block_size=0), "block_size"), (dict(num_blocks=1), "num_blocks"),
                       (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
-                      (dict(max_num_seqs=0), "max_num_seqs")):
+                      (dict(max_num_seqs=0), "max_num_seqs"), (dict(decode_buckets="yes"), "decode_buckets"),
+                      (dict(compile="no"), "compile")):
         with pytest.raises(QerlError, match=field):
             PagedEngine(model, tok, **kw)
     with pytest.raises(QerlError, match="prompt_ids"):
         PagedEngine(model, tok).generate([], 1)
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=0), dict(temperature=1.0, seed=3)])
+def test_bucketed_decode_steps_equal_torch_engine(model64, model_and_tok, prompts, knobs):
+    """Decode-only steps padded to buckets (9 rows -> 16, padded rows on the null block, length 1) give the rows of
+    the unpadded engine; the static buffers are kept for the next call and rebuilt when the sampling knobs change."""
+    tok = model_and_tok[1]
+    params = SamplingParams(max_tokens=10, **knobs)
+    ref = TorchEngine(model64, tok, cache="dynamic", eos_token_ids=()).generate(prompts, 3, params)
+    engine = PagedEngine(model64, tok, block_size=4, eos_token_ids=(), decode_buckets=True)
+    out = engine.generate(prompts, 3, params)
+    same_rows(out, ref, atol=1e-9)
+    assert out.stats["graph_eager_steps"] == 10 - 1 and out.stats["graph_captures"] == 0  # no graphs on CPU
+    graphs = engine._graphs
+    again = engine.generate(prompts[:1], 3, params)
+    assert engine._graphs is graphs and again.completion_ids == out.completion_ids[:3]
+    engine.generate(prompts[:1], 3, SamplingParams(temperature=0.5, max_tokens=10, seed=1))
+    assert engine._graphs is not graphs
+
+
+def test_bucket_sizes():
+    from qerl.rollout.paged_graphs import bucket_sizes
+
+    assert bucket_sizes(1) == [1] and bucket_sizes(5) == [1, 2, 4, 8]
+    assert bucket_sizes(300) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 384]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [dict(temperature=0), dict(temperature=1.0, top_k=50, seed=3)])
+def test_gpu_graph_replays_equal_eager_steps_and_see_in_place_updates(model_and_tok, prompts, knobs):
+    """On CUDA: captured decode steps give the rows of unpadded eager steps (float32, so no rounding differences
+    between batch shapes matter); a second call replays without capturing again and sees in-place weight changes."""
+    model = copy.deepcopy(model_and_tok[0]).cuda()
+    tok = model_and_tok[1]
+    params = SamplingParams(max_tokens=24, **knobs)
+    graphed = PagedEngine(model, tok, block_size=16, num_blocks=64, eos_token_ids=())
+    out = graphed.generate(prompts, 3, params)
+    eager = PagedEngine(model, tok, block_size=16, num_blocks=64, eos_token_ids=(), decode_buckets=False)
+    same_rows(out, eager.generate(prompts, 3, params), atol=1e-4)
+    assert out.stats["graph_captures"] == 1 and out.stats["graph_replays"] == 24 - 2  # 23 decode steps: 1 eager
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    again = graphed.generate(prompts, 3, params)
+    assert again.stats["graph_captures"] == 0 and again.stats["graph_replays"] == 24 - 1
+    same_rows(again, eager.generate(prompts, 3, params), atol=1e-4)
+    assert again.completion_ids != out.completion_ids

@@ -1,0 +1,118 @@
+"""The Triton paged decode kernel against a float64 softmax over each row's keys read through its block table: on CPU
+through Triton's interpreter (a subprocess, as TRITON_INTERPRET is read when kernels are defined), on the GPU in bf16
+at Qwen2.5-7B's head layout."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from qerl.rollout.paged_attention import PagedMeta, _decode_reference
+
+
+class Pool:
+    def __init__(self, block_size):
+        self.block_size = block_size
+
+
+def random_case(rows, heads, kv_heads, head_dim, block_size, lengths, dtype, device, seed=0):
+    """A shuffled pool (blocks of a row are scattered, block 0 unused) and rows of the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lengths]
+    num_blocks = 1 + sum(need) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, width = [], max(need) + 1  # one spare column: the kernel must stop at the length, not the width
+    for n in need:
+        tables.append(perm[:n] + [0] * (width - n))
+        perm = perm[n:]
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    q = torch.randn(rows, heads, head_dim, generator=gen).to(device, dtype)
+    table = torch.tensor(tables, dtype=torch.int32, device=device)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    return q, k, v, table, lens
+
+
+def float64_attention(q, k, v, table, lens, scale):
+    """Per row and head: softmax(q . K / sqrt(d)) V over positions 0..len-1, in float64."""
+    rows, heads, _ = q.shape
+    bs, kv = k.shape[1], k.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r in range(rows):
+        pos = torch.arange(int(lens[r]))
+        slots = table[r].long().cpu()[pos // bs] * bs + pos % bs
+        keys = k.cpu().double().reshape(-1, kv, k.shape[-1])[slots]
+        values = v.cpu().double().reshape(-1, kv, v.shape[-1])[slots]
+        for h in range(heads):
+            w = torch.softmax(keys[:, h // (heads // kv)] @ q[r, h].cpu().double() * scale, 0)
+            out[r, h] = w @ values[:, h // (heads // kv)]
+    return out
+
+
+INTERPRETED = textwrap.dedent("""
+    import json, sys
+    import torch
+    from triton.runtime import interpreter
+    original = interpreter._patch_lang_tensor
+    def patched(tensor, scope):  # Triton 3.6's interpreter int()s (1,)-shaped program ids, which numpy 2 refuses
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interpreter._patch_lang_tensor = patched
+    sys.path.insert(0, sys.argv[1])
+    from tests.rollout.test_triton_paged import float64_attention, random_case
+    from qerl.rollout.triton_paged import paged_decode
+    errors = []
+    for block_size, split in ((16, 1), (16, 3), (32, 2), (64, 1)):
+        q, k, v, table, lens = random_case(3, 4, 2, 16, block_size, [70, 1, 129], torch.float32, "cpu")
+        out = paged_decode(q, k, v, table, lens, 0.25, split=split)
+        errors.append(float((out.double() - float64_attention(q, k, v, table, lens, 0.25)).abs().max()))
+    print(json.dumps(errors))
+""")
+
+
+def test_interpreted_kernel_matches_float64_attention():
+    """Several blocks per tile (16, 32), one tile per block (64), splits with empty ones, a length-1 row."""
+    pytest.importorskip("triton")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-c", INTERPRETED, repo], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(errors) == 4 and max(errors) < 1e-5, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 32, 256])
+@pytest.mark.parametrize("split", [None, 1])
+def test_gpu_kernel_matches_reference_bf16(block_size, split):
+    from qerl.rollout.triton_paged import paged_decode
+
+    lengths = [1, 17, 300, 1000, 4608, 65]
+    q, k, v, table, lens = random_case(6, 28, 4, 128, block_size, lengths, torch.bfloat16, "cuda")
+    scale = 128 ** -0.5
+    out = paged_decode(q, k, v, table, lens, scale, split=split)
+    exact = float64_attention(q, k, v, table, lens, scale)
+    meta = PagedMeta(pool=Pool(block_size), slot_mapping=None, decode_tokens=None, decode_table=table,
+                     decode_lens=lens, prefill=[], decode_max_len=max(lengths))
+    ref = _decode_reference(q, k, v, meta, scale)
+    kernel_err = (out.double().cpu() - exact).abs().max().item()
+    ref_err = (ref.double().cpu() - exact).abs().max().item()
+    assert kernel_err <= max(2 * ref_err, 1e-2), (kernel_err, ref_err)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_float32_is_exact_and_pads_read_the_null_block():
+    """fp32 caches use IEEE dots (no TF32); a padded row (null block, length 1) gives that slot's value."""
+    from qerl.rollout.triton_paged import paged_decode
+
+    q, k, v, table, lens = random_case(4, 14, 2, 64, 16, [5, 40, 1, 333], torch.float32, "cuda")
+    table[2] = 0
+    out = paged_decode(q, k, v, table, lens, 0.125)
+    assert (out.double().cpu() - float64_attention(q, k, v, table, lens, 0.125)).abs().max() < 1e-5
+    assert torch.allclose(out[2], v[0, 0].repeat_interleave(7, 0), atol=1e-6)
