@@ -8,7 +8,8 @@ Layout (one folder per run fingerprint, so a changed config never resumes anothe
 
 The fingerprint is a sha256 over three parts, each a sha256 itself:
   config  the train config section as canonical JSON, minus `save_steps` and `logging_steps` (they only say when to
-          save and log; a resumed run is bit-exact whatever they were);
+          save and log; a resumed run is bit-exact whatever they were) and `num_gpus` (the trainable state is the
+          same on every data-parallel rank, so a run resumes with another number of ranks);
   data    the records training reads ({id, question, answer} as qerl.data.load_records returns them, after
           `limit`), so a local file, a parquet directory and a hub dataset are all identified by content;
   model   a content sha256 of every file of the model directory except stage reports (quantize.json): weights,
@@ -46,8 +47,9 @@ log = logging.getLogger("qerl.train")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _RUN_DIR = re.compile(r"^[0-9a-f]{16}$")
 FINGERPRINT_FILE = "fingerprint.json"
-# keys of the train section that only say when to save and log: they cannot change a trained weight
-NON_DETERMINING_KEYS = ("save_steps", "logging_steps")
+# keys of the train section that only say when to save and log, or over how many ranks the same batch is split
+# (equal up to float summation order): a checkpoint of one value resumes under another
+NON_DETERMINING_KEYS = ("save_steps", "logging_steps", "num_gpus")
 # written beside the weights by stages (timings change on every rerun) and never read by the model loader
 MODEL_REPORT_FILES = ("quantize.json", "report.json")
 

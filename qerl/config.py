@@ -2,6 +2,7 @@
 
     python -m qerl.config schema > workflow/schemas/config.schema.yaml   # regenerate the schema
     python -m qerl.config check config/config.yaml                       # validate, one line per problem
+    python -m qerl.config memory config/config.yaml                      # GPU memory per rank (qerl.memory)
 
 Knob names follow TRL where TRL has one (num_generations, beta, epsilon, epsilon_high, loss_type,
 max_completion_length, learning_rate, lora_r, lora_alpha); AQN uses the paper's (sigma_start, sigma_end,
@@ -153,6 +154,9 @@ class TrainConfig(_Section):
     grading_timeout_s: float = Field(1.0, gt=0, le=60, description="wall-time limit of one completion's reward "
                                      "(extraction + math-verify); a completion over it gets reward 0 and is "
                                      "counted in rewards/grading_timeouts")
+    num_gpus: int = Field(1, ge=1, le=8, description="data-parallel ranks on the GPUs of one node (qerl."
+                          "distributed): each rolls out and trains on batch_size / num_gpus prompts per step, "
+                          "same result as one; > 1 runs under torchrun")
     seed: int = 0
 
     @model_validator(mode="after")
@@ -165,6 +169,15 @@ class TrainConfig(_Section):
             raise ValueError("reward_weights needs one weight per entry of rewards")
         if (self.batch_size * self.num_generations) % self.micro_batch_size:
             raise ValueError("micro_batch_size must divide batch_size * num_generations")
+        if self.batch_size % self.num_gpus:
+            raise ValueError(f"num_gpus ({self.num_gpus}) must divide batch_size ({self.batch_size}): each rank "
+                             "takes whole prompt groups")
+        if (self.batch_size * self.num_generations // self.num_gpus) % self.micro_batch_size:
+            raise ValueError("micro_batch_size must divide batch_size * num_generations / num_gpus (the rows of "
+                             "one rank)")
+        if self.num_gpus > 1 and self.rollout.engine == "vllm":  # vLLM would join torchrun's world itself
+            raise ValueError("num_gpus > 1 needs rollout.engine torch: a vLLM engine per torchrun rank is not wired "
+                             "(it needs vLLM's external_launcher backend)")
         return self
 
 
@@ -234,6 +247,12 @@ class ExperimentConfig(_Section):
             raise ValueError("train.mode qlora_fp4 needs quantize.scheme nvfp4, nvfp4-awq or mxfp4")
         if self.train.mode == "qlora_nf4" and self.quantize.scheme != "nf4":
             raise ValueError("train.mode qlora_nf4 needs quantize.scheme nf4")
+        from qerl.memory import check_fits
+
+        try:
+            check_fits(self.model_size, self.quantize.scheme, self.train)
+        except ValueError as err:
+            raise ValueError(f"train.num_gpus: {err}") from None
         return self
 
 
@@ -352,6 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("schema", help="print the JSON Schema as YAML")
     c = sub.add_parser("check", help="validate a config file")
     c.add_argument("path")
+    m = sub.add_parser("memory", help="estimated GPU memory per rank of each experiment, and the GPUs it needs")
+    m.add_argument("path")
     a = p.parse_args(argv)
     if a.cmd == "schema":
         yaml.safe_dump(json_schema(), sys.stdout, sort_keys=False)
@@ -360,6 +381,12 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(a.path)
     except QerlError as err:
         sys.exit(f"error: {err}")
+    if a.cmd == "memory":
+        from qerl.memory import report_line
+
+        lines = (report_line(n, e.model_size, e.quantize.scheme, e.train) for n, e in cfg.experiments.items())
+        print("\n".join(line for line in lines if line))
+        return
     print(f"ok: {len(cfg.experiments)} experiments")
 
 

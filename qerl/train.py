@@ -11,6 +11,13 @@ train.save_steps into <checkpoint-dir> (default: <results-dir>/<experiment>/chec
 and the model). --resume continues from the newest checkpoint of the same fingerprint, and starts fresh when there
 is none: a changed config never resumes another config's checkpoint. The data are read and validated first, so a
 bad data file fails in seconds.
+
+train.num_gpus > 1: data parallel over that many ranks of one node (qerl.distributed), launched by torchrun with
+the same arguments (the workflow's train rule does it):
+
+    torchrun --standalone --nproc-per-node 2 -m qerl.train --experiment demo ...
+
+Rank 0 alone logs to MLflow and writes checkpoints and the adapter; a checkpoint resumes under any rank count.
 """
 from __future__ import annotations
 
@@ -81,6 +88,10 @@ def _setup_model(cfg, model_dir: str):
     from qerl.trainer import resolve_device_dtype
 
     device, dtype = resolve_device_dtype(cfg.dtype)
+    if device == "cuda":  # this rank's GPU (qerl.distributed set it), also for loaders that read "cuda" as cuda:0
+        import torch
+
+        device = f"cuda:{torch.cuda.current_device()}"
     lora = None if cfg.mode == "full" else LoraSpec(r=cfg.lora.lora_r, alpha=cfg.lora.lora_alpha,
                                                     dropout=cfg.lora.lora_dropout,
                                                     target_modules=tuple(cfg.lora.target_modules),
@@ -154,6 +165,13 @@ def checkpoint_dir(args) -> Path:
     return Path(args.checkpoint_dir or Layout(args.results_dir).checkpoints(args.experiment))
 
 
+class _NoRun:
+    """The tracking run of ranks other than 0: they compute, rank 0 logs."""
+
+    def __getattr__(self, name):
+        return lambda *a, **kw: None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = stage_parser("python -m qerl.train", __doc__)
     p.add_argument("--model", required=True, help="checkpoint to train on (results/<exp>/quantized)")
@@ -165,6 +183,20 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_section(args, "train")
     require_dir(args.model, "--model")
 
+    from qerl.distributed import close, init_ranks
+
+    ranks = init_ranks(cfg.num_gpus)
+    if not ranks.is_main:  # one log: rank 0's
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        _train(args, cfg, ranks)
+    finally:
+        close(ranks)
+
+
+def _train(args, cfg, ranks) -> None:
+    import contextlib
+
     import torch
 
     from qerl.tracking import stage_run
@@ -175,27 +207,35 @@ def main(argv: list[str] | None = None) -> None:
     checkpoints = _setup_checkpoints(cfg, records, args.model, checkpoint_dir(args), args.resume)
     torch.manual_seed(cfg.seed)
     params = {"model": args.model, **cfg.model_dump(mode="json")}
-    with stage_run(experiment=args.experiment, stage="train", params=params, run_file=default_run_file(args, "train"),
-                   **tracking_args(args)) as run:
+    tracking = stage_run(experiment=args.experiment, stage="train", params=params,
+                         run_file=default_run_file(args, "train"), **tracking_args(args)) \
+        if ranks.is_main else contextlib.nullcontext(_NoRun())
+    with tracking as run:
         run.set_tags({"qerl.checkpoints": str(checkpoints.dir)})
         model, tokenizer = _setup_model(cfg, args.model)
         prompts, answers = _setup_data(cfg, tokenizer, records)
         trainer = GRPOTrainer(cfg, model, tokenizer, prompts, answers, rewards,
-                              checkpoint_dir=checkpoints.root, fingerprint=checkpoints.fingerprint)
+                              checkpoint_dir=checkpoints.root, fingerprint=checkpoints.fingerprint, ranks=ranks)
         # the window needs the trainer's step count to flush at the last step; resume replays through it too
         trainer.log_metrics = LoggingWindow(lambda m, s: run.log_metrics(m, step=s), cfg.logging_steps,
                                             trainer.total_steps)
         if args.resume:
             trainer.resume()
         history = trainer.train()
-        save_outputs(trainer, tokenizer, cfg, args.out)
-        out = Path(args.out)
-        for name in ("trainer_state.json", "metrics.csv", "training_curves.png"):
-            run.log_artifact(out / name)
-        run.log_artifact(out, artifact_path="adapter")
-        if history:
-            run.log_metrics({f"final/{k}": v for k, v in history[-1].items() if k != "step"})
-    print(f"trained {trainer.total_steps} steps -> {args.out}")
+        if ranks.is_main:
+            _save_and_log(trainer, tokenizer, cfg, args.out, run, history)
+        ranks.barrier()  # no rank exits (and tears the group down) before the adapter is written
+    if ranks.is_main:
+        print(f"trained {trainer.total_steps} steps -> {args.out}")
+
+
+def _save_and_log(trainer, tokenizer, cfg, out: str, run, history: list[dict]) -> None:
+    save_outputs(trainer, tokenizer, cfg, out)
+    for name in ("trainer_state.json", "metrics.csv", "training_curves.png"):
+        run.log_artifact(Path(out) / name)
+    run.log_artifact(Path(out), artifact_path="adapter")
+    if history:
+        run.log_metrics({f"final/{k}": v for k, v in history[-1].items() if k != "step"})
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ One step: take `batch_size` prompts -> sample `num_generations` completions each
 AQN noise sits on the RMSNorm scales -> rewards -> group advantages -> (noise removed) clean log-probs chunk by
 chunk -> clipped token loss (+ TIS, + KL) -> LoRA update, `num_iterations` times per rollout batch.
 Metrics keep TRL's names. Everything random derives from (seed, step), so a resumed run equals an unbroken one.
+Data parallel (qerl.distributed, torchrun): each rank rolls out and trains on its share of the step's prompt
+groups; rewards, the loss normaliser, gradients and metrics are combined so N ranks give the 1-rank result.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 
 from qerl.aqn import aqn_noise, aqn_sigma, aqn_stage, rmsnorm_noise_targets, sample_noise
 from qerl.checkpoint import CheckpointRun, NonFiniteState, load_checkpoint
+from qerl.distributed import SINGLE, Ranks
 from qerl.errors import QerlError
 from qerl.grpo import group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.prefix import grouped_token_logprobs
@@ -80,9 +83,10 @@ class GRPOTrainer:
     def __init__(self, cfg: TrainConfig, model, tokenizer, prompts: list[list[int]], answers: list[str],
                  reward_fns: list[tuple[str, Callable, float]], *, checkpoint_dir: str | Path,
                  fingerprint: Fingerprint | None = None,
-                 log_metrics: Callable[[dict[str, float], int], None] | None = None):
+                 log_metrics: Callable[[dict[str, float], int], None] | None = None, ranks: Ranks = SINGLE):
         """fingerprint (qerl.checkpoint.run_fingerprint) names this run's checkpoint folder; train() and resume()
-        need it, a trainer only stepped by hand (benchmarks) does not."""
+        need it, a trainer only stepped by hand (benchmarks) does not. ranks: this process's data-parallel place
+        (qerl.distributed.init_ranks); rank 0 alone writes checkpoints."""
         if len(prompts) == 0:
             raise QerlError("train.data: no usable prompts (empty dataset, or all longer than max_prompt_length)")
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
@@ -90,6 +94,8 @@ class GRPOTrainer:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.checkpoints = CheckpointRun(checkpoint_dir, fingerprint) if fingerprint is not None else None
         self.log_metrics = log_metrics or (lambda m, s: None)
+        self.ranks = ranks
+        ranks.share(cfg.batch_size, "prompts of a step (train.batch_size)")  # fails early when uneven
         self.device = next(p for p in model.parameters()).device
         if cfg.fused_elementwise:  # before tiling: a tiled MLP's slices then run the compiled activation
             from qerl.fused_elementwise import fuse_elementwise
@@ -100,7 +106,7 @@ class GRPOTrainer:
 
             tile_mlps(model, cfg.mlp_chunks)
         self.total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * len(prompts) / cfg.batch_size)
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise QerlError("model has no trainable parameters (check train.mode and lora settings)")
         # fused on CUDA (as TRL's default adamw_torch_fused): one kernel per step instead of foreach's chains
@@ -131,10 +137,12 @@ class GRPOTrainer:
             out.append(int(self._perms[epoch][offset]))
         return out
 
-    def sampling(self, step: int) -> SamplingParams:
+    def sampling(self, step: int, first_row: int = 0) -> SamplingParams:
+        """The step's sampling; first_row: the global index of this call's first row (its rank's share)."""
         r = self.cfg.rollout
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=tuple(r.stop),
-                              max_tokens=self.cfg.max_completion_length, seed=_step_seed(self.cfg.seed, step, 1))
+                              max_tokens=self.cfg.max_completion_length, seed=_step_seed(self.cfg.seed, step, 1),
+                              first_row=first_row)
 
     def sigma(self, step: int) -> tuple[float, int]:
         a = self.cfg.aqn
@@ -146,54 +154,84 @@ class GRPOTrainer:
 
     # ---- rollout ----
     def rollout(self, step: int) -> Batch:
-        idx = self.batch_indices(step)
+        """This rank's share of the step's prompt groups, rolled out and scored; advantages and reward metrics
+        come from every rank's rewards, as one process holding the whole batch computes them."""
+        g = self.cfg.num_generations
+        groups = self.ranks.share(self.cfg.batch_size, "prompts of a step (train.batch_size)")
+        idx = self.batch_indices(step)[groups]
         prompts = [self.prompts[i] for i in idx]
-        answers = [self.answers[i] for i in idx for _ in range(self.cfg.num_generations)]
+        answers = [self.answers[i] for i in idx for _ in range(g)]
         sigma, stage = self.sigma(step)
         t0 = time.perf_counter()
+        out, noise_stats = self._generate(step, prompts, self.sampling(step, first_row=groups.start * g), sigma)
+        t_rollout = time.perf_counter() - t0
+        values, timeouts = self._reward_values(out.texts(self.tokenizer), answers)
+        lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float32)
+        clipped = torch.tensor([r == "length" for r in out.finish_reasons], dtype=torch.float32)
+        table = self.ranks.all_gather(torch.cat([values, lengths[:, None], clipped[:, None]], dim=1))
+        rewards = self._weighted_total(table[:, :-2])
+        adv = group_advantages(rewards, g, self.cfg.scale_rewards)[groups.start * g:groups.stop * g]
+        batch = self.collate(out, adv)
+        metrics = self.ranks.reduce_metrics({"rewards/grading_timeouts": float(timeouts), "timing/rollout": t_rollout,
+                                             **noise_stats},
+                                            sums=("rewards/grading_timeouts",), maxima=("timing/rollout",))
+        metrics.update(self._reward_metrics(table, rewards), **{"aqn/sigma": sigma, "aqn/stage": stage})
+        batch.metrics = metrics
+        return batch
+
+    def _generate(self, step: int, prompts: list[list[int]], sampling: SamplingParams, sigma: float):
+        """The engine's rollout of `prompts` under this step's AQN noise (the same vector on every rank)."""
         noise_gen = torch.Generator().manual_seed(_step_seed(self.cfg.seed, step, 2))
         if hasattr(self.engine, "update_policy"):  # vllm: its own weights get this step's adapter and noise
             targets = rmsnorm_noise_targets(self.model) if sigma > 0 else []
             vecs = sample_noise({n: p.shape for n, p in targets}, sigma, noise_gen) if sigma > 0 else None
             noise_stats = self.engine.update_policy(self.model, vecs)
-            out = self.engine.generate(prompts, n=self.cfg.num_generations, sampling=self.sampling(step))
-        else:  # torch engine: the rollout runs the very modules being trained, noise applied in place
-            with aqn_noise(self.model, sigma, noise_gen) as noise:
-                out = self.engine.generate(prompts, n=self.cfg.num_generations, sampling=self.sampling(step))
-            noise_stats = {"aqn/applied_rms": noise.applied_rms, "aqn/changed_fraction": noise.changed_fraction}
-        t_rollout = time.perf_counter() - t0
-        texts = out.texts(self.tokenizer)
-        rewards, metrics = self.score(texts, answers)
-        adv = group_advantages(rewards, self.cfg.num_generations, self.cfg.scale_rewards)
-        batch = self.collate(out, adv)
-        lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float32)
+            return self.engine.generate(prompts, n=self.cfg.num_generations, sampling=sampling), noise_stats
+        # torch engine: the rollout runs the very modules being trained, noise applied in place
+        with aqn_noise(self.model, sigma, noise_gen) as noise:
+            out = self.engine.generate(prompts, n=self.cfg.num_generations, sampling=sampling)
+        return out, {"aqn/applied_rms": noise.applied_rms, "aqn/changed_fraction": noise.changed_fraction}
+
+    def _reward_metrics(self, table: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
+        """Reward and completion metrics of the whole step from its (rows, reward functions + 2) table: each
+        function's value, then the completion length and the truncation flag of every row."""
+        lengths, clipped = table[:, -2], table[:, -1]
         grouped = rewards.view(-1, self.cfg.num_generations)
+        metrics = {f"rewards/{name}/mean": table[:, j].mean().item() for j, (name, _, _) in enumerate(self.reward_fns)}
         metrics.update({
             "reward": rewards.mean().item(), "reward_std": grouped.std(dim=1).mean().item(),
             "frac_reward_zero_std": (grouped.std(dim=1) == 0).float().mean().item(),
             "completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": sum(r == "length" for r in out.finish_reasons) / len(texts),
-            "aqn/sigma": sigma, "aqn/stage": stage, **noise_stats,
-            "timing/rollout": t_rollout, "rollout_tokens": float(lengths.sum()),
+            "completions/clipped_ratio": float(clipped.sum()) / len(clipped), "rollout_tokens": float(lengths.sum()),
         })
-        batch.metrics = metrics
-        return batch
+        return metrics
 
-    def score(self, texts: list[str], answers: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
+    def _reward_values(self, texts: list[str], answers: list[str]) -> tuple[torch.Tensor, int]:
+        """(rows, reward functions) unweighted rewards and the number of gradings that timed out."""
         from qerl.rewards import GradingStats, call_reward
 
-        total = torch.zeros(len(texts))
-        metrics, stats = {}, GradingStats()
+        stats, columns = GradingStats(), []
         limit = self.cfg.grading_timeout_s  # seconds per completion; past it the reward is 0
-        for name, fn, weight in self.reward_fns:
+        for name, fn, _ in self.reward_fns:
             values = torch.tensor(call_reward(fn, texts, answers=answers, kind=self.cfg.data.answer_kind,
                                               timeout_s=limit, stats=stats), dtype=torch.float32)
-            if values.shape != total.shape:
+            if values.shape != (len(texts),):
                 raise QerlError(f"reward '{name}' returned {values.numel()} values for {len(texts)} completions")
-            metrics[f"rewards/{name}/mean"] = values.mean().item()
-            total += weight * values
-        metrics["rewards/grading_timeouts"] = float(stats.timeouts)
-        return total, metrics
+            columns.append(values)
+        return torch.stack(columns, dim=1), stats.timeouts
+
+    def _weighted_total(self, values: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros(values.shape[0])
+        for j, (_, _, weight) in enumerate(self.reward_fns):
+            total += weight * values[:, j]
+        return total
+
+    def score(self, texts: list[str], answers: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Weighted total reward per completion and the per-function means (one process's rows)."""
+        values, timeouts = GRPOTrainer._reward_values(self, texts, answers)
+        metrics = {f"rewards/{name}/mean": values[:, j].mean().item() for j, (name, _, _) in enumerate(self.reward_fns)}
+        metrics["rewards/grading_timeouts"] = float(timeouts)
+        return GRPOTrainer._weighted_total(self, values), metrics
 
     def collate(self, out, advantages: torch.Tensor) -> Batch:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -268,10 +306,14 @@ class GRPOTrainer:
         return contextlib.nullcontext()
 
     def update(self, batch: Batch, step: int) -> dict[str, float]:
+        """num_iterations optimizer steps on this rank's rows; the loss is normalised by the whole step's token
+        and micro-batch counts (every rank's) and the gradients summed over ranks before clipping, so N ranks of
+        B/N prompts give one rank's update of B."""
         cfg = self.cfg
         rows_total = batch.input_ids.shape[0]
         slices = [slice(i, i + cfg.micro_batch_size) for i in range(0, rows_total, cfg.micro_batch_size)]
-        n_tokens = batch.completion_mask.sum()
+        n_tokens = self.ranks.all_reduce(batch.completion_mask.sum())
+        accumulation = len(slices) * self.ranks.world_size
         refs = [self.reference_logprobs(batch, s) for s in slices]
         olds = [None] * len(slices)
         if cfg.num_iterations > 1:
@@ -293,7 +335,7 @@ class GRPOTrainer:
                                        epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                        ref_logprobs=ref, is_weights=is_w,
                                        max_completion_length=cfg.max_completion_length,
-                                       num_items_in_batch=n_tokens, gradient_accumulation_steps=len(slices))
+                                       num_items_in_batch=n_tokens, gradient_accumulation_steps=accumulation)
                 if not torch.isfinite(loss):
                     raise QerlError(f"non-finite loss at step {step + 1}; the last good checkpoint is "
                                     f"{self.last_good_checkpoint()}")
@@ -302,8 +344,8 @@ class GRPOTrainer:
                 metrics.update(lm, loss=loss.detach(), entropy=masked_mean(ent, mask))
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) / (len(slices) * cfg.num_iterations)
-            sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
-                [p for p in self.model.parameters() if p.requires_grad], cfg.max_grad_norm))
+            self.ranks.all_reduce_grads(self.trainable)
+            sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.max_grad_norm))
             if not math.isfinite(sums["grad_norm"]):  # clipping scaled the gradients by nan: never apply them
                 raise QerlError(f"non-finite gradient norm at step {step + 1} (update not applied); the last good "
                                 f"checkpoint is {self.last_good_checkpoint()}")
@@ -311,8 +353,9 @@ class GRPOTrainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        sums["loss"] *= len(slices)  # one update's loss is the sum over its micro-batches
         sums["timing/update"] = time.perf_counter() - t0
+        sums = self.ranks.reduce_metrics(sums, maxima=("timing/update",))  # equal micro-batches per rank: means
+        sums["loss"] *= accumulation  # one update's loss is the sum over its micro-batches (every rank's)
         return sums
 
     # ---- loop ----
@@ -332,24 +375,31 @@ class GRPOTrainer:
         if found is None:
             log.info("no checkpoint of this config, data and model in %s: starting fresh", run.dir)
             return
-        state = load_checkpoint(found, self.model, self.optimizer, self.scheduler)
+        state = load_checkpoint(found, self.model, self.optimizer, self.scheduler)  # on every rank: any count
         self.step, self.log_history = state["step"], state.get("log_history", [])
         for row in self.log_history:
             self.log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
         log.info("resumed from %s (step %d of %d)", found, self.step, self.total_steps)
 
     def save(self) -> Path:
-        try:
-            return self._checkpoint_run().save(self.step, self.model, self.optimizer, self.scheduler,
-                                               {"log_history": self.log_history, "total_steps": self.total_steps})
-        except NonFiniteState as err:
-            raise QerlError(f"{err} after step {self.step} (checkpoint not written); the last good checkpoint is "
-                            f"{self.last_good_checkpoint()}") from None
+        """Rank 0 writes (the trainable state is the same on every rank); the others wait until it is on disk."""
+        run = self._checkpoint_run()
+        if self.ranks.is_main:
+            try:
+                run.save(self.step, self.model, self.optimizer, self.scheduler,
+                         {"log_history": self.log_history, "total_steps": self.total_steps})
+            except NonFiniteState as err:
+                raise QerlError(f"{err} after step {self.step} (checkpoint not written); the last good checkpoint "
+                                f"is {self.last_good_checkpoint()}") from None
+        self.ranks.barrier()
+        return run.dir / f"step-{self.step:06d}"
 
     def train(self) -> list[dict[str, Any]]:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True)
+        self.ranks.broadcast_params(self.trainable)  # rank 0's start, whatever each rank's init drew
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True,
+                   disable=not self.ranks.is_main)
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batch = self.rollout(self.step)

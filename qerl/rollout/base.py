@@ -23,7 +23,9 @@ class SamplingParams:
     """vLLM-named sampling knobs. temperature == 0 means greedy; top_k == 0 and top_p == 1 disable filtering.
 
     `seed` makes a call reproducible: row r of a call draws from its own generator seeded from (seed, r),
-    so a sequence does not change when other prompts are added to or removed from the batch.
+    so a sequence does not change when other prompts are added to or removed from the batch. `first_row`
+    numbers the call's rows from there (row r draws as row first_row + r): a data-parallel rank generating rows
+    [k, k + n) of a step draws exactly what one process generating all of them would.
     """
 
     temperature: float = 1.0
@@ -32,6 +34,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    first_row: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):  # a lone string would otherwise be read as a tuple of characters
@@ -51,6 +54,8 @@ class SamplingParams:
             raise QerlError(f"SamplingParams.stop: expected non-empty strings, got {self.stop!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and self.seed >= 0):
             raise QerlError(f"SamplingParams.seed: expected None or an int >= 0, got {self.seed!r}")
+        if not (isinstance(self.first_row, int) and self.first_row >= 0):
+            raise QerlError(f"SamplingParams.first_row: expected an int >= 0, got {self.first_row!r}")
 
     @property
     def greedy(self) -> bool:

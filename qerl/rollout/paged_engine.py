@@ -83,7 +83,7 @@ class PagedEngine(RolloutEngine):
         pool = self._pool_for(prompts, n, sampling.max_tokens)
         check_fits(prompts, sampling.max_tokens, self.block_size, pool.num_blocks)
         base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        host_uniforms = None if sampling.greedy else row_uniforms(base_seed, 0, len(prompts) * n,
+        host_uniforms = None if sampling.greedy else row_uniforms(base_seed, sampling.first_row, len(prompts) * n,
                                                                   sampling.max_tokens, "cpu")
         uniforms = None if host_uniforms is None else (host_uniforms.to(self.device), host_uniforms.numpy())
         self.allocator = BlockAllocator(pool.num_blocks)

@@ -95,7 +95,7 @@ class TorchEngine(RolloutEngine):
                 projections_fused(self._groups, _compute_dtype(self.model)):
             for start in range(0, len(prompts), group):
                 chunk = prompts[start:start + group]
-                rows += self._generate_group(chunk, n, sampling, base_seed, first_row=start * n)
+                rows += self._generate_group(chunk, n, sampling, base_seed, first_row=sampling.first_row + start * n)
         return RolloutOutput(
             prompt_ids=[p for p in prompts for _ in range(n)],
             completion_ids=[r[0] for r in rows], logprobs=[r[1] for r in rows],

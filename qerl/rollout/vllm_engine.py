@@ -209,7 +209,8 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------- generation
     def generate(self, prompt_ids, n: int = 1, sampling: SamplingParams | None = None) -> RolloutOutput:
-        """Prompt i gets seed + i*n, and vLLM gives its j-th sample seed + i*n + j: row r draws from seed + r.
+        """Prompt i gets seed + first_row + i*n, and vLLM gives its j-th sample that + j: row r draws from
+        seed + first_row + r.
 
         Greedy decoding is deterministic and vLLM refuses n > 1 for it: one sample per prompt is copied n times.
         """
@@ -218,7 +219,8 @@ class VLLMEngine(RolloutEngine):
         if self._sleeping:
             self.wake_up()
         per_prompt = 1 if sampling.greedy else n
-        params = [_vllm_sampling(sampling, per_prompt, None if sampling.seed is None else sampling.seed + i * n,
+        params = [_vllm_sampling(sampling, per_prompt, None if sampling.seed is None
+                                 else sampling.seed + sampling.first_row + i * n,
                                  self.ignore_eos)
                   for i in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,

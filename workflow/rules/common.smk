@@ -128,12 +128,22 @@ def gpus(wildcards):
     return 0 if exp(wildcards).model_size in (None, "0.1B") else 1
 
 
+def train_gpus(wildcards):
+    """One GPU per data-parallel rank of the train job (train.num_gpus); none for CPU-sized experiments."""
+    return 0 if gpus(wildcards) == 0 else exp(wildcards).train.num_gpus
+
+
 def mem_mb_quantize(wildcards):
     return max(4000, 3 * 1024 * _size_gb(wildcards))
 
 
 def mem_mb_train(wildcards):
     return max(6000, 2 * 1024 * _size_gb(wildcards))
+
+
+def mem_mb_train_job(wildcards):
+    # every rank is a process loading its own copy of the model
+    return mem_mb_train(wildcards) * exp(wildcards).train.num_gpus
 
 
 def runtime_train(wildcards):

@@ -1,3 +1,13 @@
+def train_launch(wildcards):
+    """`python -m qerl.train`, or torchrun over train.num_gpus ranks of one node (the interpreter's own torchrun:
+    `python -m torch.distributed.run`); already shell-quoted."""
+    python = shlex.quote(train_python(wildcards))
+    n = exp(wildcards).train.num_gpus
+    if n == 1:
+        return f"{python} -m qerl.train"
+    return f"{python} -m torch.distributed.run --standalone --nproc-per-node {n} -m qerl.train"
+
+
 rule train:
     input:
         model=quantized_dir("{experiment}"),
@@ -8,18 +18,18 @@ rule train:
         run=run_file("train"),
     params:
         cfg=stage_json("train"),
-        python=train_python,
+        launch=train_launch,
         checkpoints=checkpoint_dir,
     log:
         log_file("train"),
     benchmark:
         benchmark_file("train")
     resources:
-        mem_mb=mem_mb_train,
+        mem_mb=mem_mb_train_job,
         runtime=runtime_train,
-        gpu=gpus,
+        gpu=train_gpus,
     shell:
-        "{params.python:q} -m qerl.train --experiment {wildcards.experiment:q} --model {input.model:q}"
+        "{params.launch} --experiment {wildcards.experiment:q} --model {input.model:q}"
         " --out {output.adapter:q} --checkpoint-dir {params.checkpoints:q} --resume"
         " --config-json {params.cfg:q} --run-file {output.run:q} --upstream-run-file {input.upstream:q}"
         " {MLFLOW} > {log:q} 2>&1"

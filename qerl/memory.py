@@ -1,0 +1,147 @@
+"""Rough GPU memory of one training rank, so config validation refuses an experiment that cannot fit its GPUs.
+
+    python -m qerl.config memory config/config.yaml      # GiB per rank and the GPUs each experiment needs
+
+Per rank, for the Qwen2.5 shapes of `model_size` (SmolLM2-135M for 0.1B); S = max_prompt_length +
+max_completion_length, the longest row; D = bytes of train.dtype (4 for float32, else 2):
+  weights      linear layers x the scheme's bytes per parameter (bf16: D; nvfp4: 4.5 bits; mxfp4: 4.25; nf4:
+               4.127) + embeddings and lm_head in D bytes. mode full: every parameter x 4 D (weight, gradient and
+               AdamW's two states in the model's dtype), a whole replica on every rank (FSDP2 sharding is not built)
+  adapter      LoRA parameters (r x (in + out) of each target projection of each layer) x 16 (fp32 weight,
+               gradient and AdamW's two states)
+  rollout      torch engine: today's static KV cache holds every row of the rank at once, rows x S x 2 x layers x
+               kv_heads x head_dim x D; vllm: rollout.gpu_memory_utilization of the card
+  activations  micro_batch_size x S tokens x [gradient checkpointing: layers x hidden x D (each layer's saved
+               input; none with offload_activations) + one layer's saved tensors (6 hidden + 4 intermediate /
+               mlp_chunks) x D; without: layers x those tensors] + the lm_head chunk (logprob_chunk_size x vocab
+               x 12 bytes: fp32 log-softmax, its gradient and the entropy buffer)
+  overhead     3 GiB (CUDA context, allocator slack, NCCL buffers)
+A card is taken as 80 GiB. The estimate is rough (within tens of percent); it exists to refuse what cannot fit,
+and to name how many GPUs an experiment needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GPU_GIB = 80.0
+MAX_GPUS_PER_NODE = 8  # train runs on one node (torchrun --standalone)
+OVERHEAD_GIB = 3.0
+_GIB = 2**30
+_BITS = {"nvfp4": 4.5, "nvfp4-awq": 4.5, "mxfp4": 4.25, "nf4": 4.127}  # 4-bit codes + their block scales
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def linear_params(self) -> int:
+        return self.layers * sum(a * b for a, b in self.projections().values())
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+
+SHAPES = {  # config.json of each Qwen2.5-*-Instruct (and SmolLM2-135M-Instruct for the CPU demo)
+    "0.1B": Shape(576, 1536, 30, 9, 3, 64, 49152, True),
+    "0.5B": Shape(896, 4864, 24, 14, 2, 64, 151936, True),
+    "1.5B": Shape(1536, 8960, 28, 12, 2, 128, 151936, True),
+    "3B": Shape(2048, 11008, 36, 16, 2, 128, 151936, True),
+    "7B": Shape(3584, 18944, 28, 28, 4, 128, 152064, False),
+    "14B": Shape(5120, 13824, 48, 40, 8, 128, 152064, False),
+    "32B": Shape(5120, 27648, 64, 40, 8, 128, 152064, False),
+}
+
+
+def rank_memory_gib(shape: Shape, scheme: str, train, num_gpus: int) -> dict[str, float]:
+    """The estimate's terms (GiB) for one of `num_gpus` ranks; `train` is a qerl.config.TrainConfig."""
+    d = 4 if train.dtype == "float32" else 2
+    tokens = train.max_prompt_length + train.max_completion_length
+    params = shape.linear_params + shape.embedding_params
+    if train.mode == "full":
+        weights = params * 4 * d
+        adapter = 0.0
+    else:
+        weights = shape.linear_params * (_BITS[scheme] / 8 if scheme in _BITS else d) + shape.embedding_params * d
+        dims = shape.projections()
+        lora = sum(train.lora.lora_r * sum(dims[m]) for m in train.lora.target_modules if m in dims)
+        adapter = shape.layers * lora * 16
+    if train.rollout.engine == "vllm":
+        rollout = train.rollout.gpu_memory_utilization * GPU_GIB * _GIB
+    else:
+        rows = train.batch_size * train.num_generations // num_gpus
+        rollout = rows * tokens * 2 * shape.layers * shape.kv_heads * shape.head_dim * d
+    layer = (6 * shape.hidden + 4 * shape.intermediate / train.mlp_chunks) * d
+    if train.gradient_checkpointing:
+        saved_inputs = 0 if train.offload_activations else shape.layers * shape.hidden * d
+        per_token = saved_inputs + layer
+    else:
+        per_token = shape.layers * layer
+    activations = train.micro_batch_size * tokens * per_token + train.logprob_chunk_size * shape.vocab * 12
+    terms = {"weights": weights, "adapter": adapter, "rollout": rollout, "activations": activations}
+    out = {k: v / _GIB for k, v in terms.items()}
+    out["overhead"] = OVERHEAD_GIB
+    out["total"] = sum(out.values())
+    return out
+
+
+def valid_gpu_counts(train, limit: int = MAX_GPUS_PER_NODE) -> list[int]:
+    """Rank counts that split the step into whole prompt groups and whole micro-batches."""
+    rows = train.batch_size * train.num_generations
+    return [n for n in range(1, limit + 1)
+            if train.batch_size % n == 0 and (rows // n) % train.micro_batch_size == 0]
+
+
+def gpus_needed(shape: Shape, scheme: str, train) -> int | None:
+    """The fewest GPUs of one node whose ranks each fit a card, or None when no count up to 8 does."""
+    for n in valid_gpu_counts(train):
+        if rank_memory_gib(shape, scheme, train, n)["total"] <= GPU_GIB:
+            return n
+    return None
+
+
+def check_fits(model_size: str | None, scheme: str, train) -> None:
+    """Raise ValueError naming the GPUs needed when the experiment cannot fit train.num_gpus cards; experiments
+    without a model_size of known shape are not estimated."""
+    shape = SHAPES.get(model_size or "")
+    if shape is None:
+        return
+    est = rank_memory_gib(shape, scheme, train, train.num_gpus)
+    if est["total"] <= GPU_GIB:
+        return
+    parts = ", ".join(f"{k} {est[k]:.0f}" for k in ("weights", "adapter", "rollout", "activations"))
+    head = (f"needs ~{est['total']:.0f} GiB per GPU with num_gpus {train.num_gpus} ({parts} GiB; "
+            f"qerl/memory.py), more than an {GPU_GIB:.0f} GiB card")
+    need = gpus_needed(shape, scheme, train)
+    if need is not None:
+        raise ValueError(f"{head}: set num_gpus: {need}")
+    if train.mode == "full" and est["total"] - est["rollout"] > GPU_GIB:  # no rank count helps
+        raise ValueError(f"{head}, whatever num_gpus: mode full keeps a whole model and its AdamW states on every "
+                         "rank and needs FSDP2 sharding (not built yet)")
+    raise ValueError(f"{head}, and no num_gpus up to {MAX_GPUS_PER_NODE} (one node) fits: lower micro_batch_size, "
+                     "max_completion_length or batch_size, or use gradient_checkpointing / offload_activations")
+
+
+def report_line(name: str, model_size: str | None, scheme: str, train) -> str | None:
+    """One experiment's estimate for `python -m qerl.config memory`, or None without a known shape."""
+    shape = SHAPES.get(model_size or "")
+    if shape is None:
+        return None
+    est = rank_memory_gib(shape, scheme, train, train.num_gpus)
+    need = gpus_needed(shape, scheme, train)
+    return (f"{name:32s} num_gpus {train.num_gpus}  {est['total']:6.1f} GiB/rank  "
+            f"needs {need if need is not None else '>' + str(MAX_GPUS_PER_NODE)}")
