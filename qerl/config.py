@@ -94,12 +94,19 @@ class AQNConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["torch", "vllm"] = "torch"
+    engine: Literal["torch", "paged", "vllm"] = Field(
+        "torch", description="torch: static KV cache for every row of the step (CUDA graphs); paged: a pool of KV "
+        "blocks with continuous batching, prefix sharing and preemption (sized from free memory); vllm")
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     stop: list[str] = []
-    gpu_memory_utilization: float = Field(0.35, gt=0.0, le=1.0, description="vllm only")
+    gpu_memory_utilization: float = Field(0.35, gt=0.0, le=1.0, description="vllm: fraction of the card; paged: "
+                                          "fraction of the memory free when a rollout starts, for the KV pool")
+    block_size: int = Field(16, ge=1, description="paged: tokens per KV block")
+    max_num_batched_tokens: int = Field(8192, ge=16, description="paged: tokens one forward may carry (prefill "
+                                        "chunks + one per decoding row)")
+    max_num_seqs: int | None = Field(None, ge=1, description="paged: rows decoded at once (None: as blocks allow)")
 
 
 class TrainConfig(_Section):
@@ -176,7 +183,7 @@ class TrainConfig(_Section):
             raise ValueError("micro_batch_size must divide batch_size * num_generations / num_gpus (the rows of "
                              "one rank)")
         if self.num_gpus > 1 and self.rollout.engine == "vllm":  # vLLM would join torchrun's world itself
-            raise ValueError("num_gpus > 1 needs rollout.engine torch: a vLLM engine per torchrun rank is not wired "
+            raise ValueError("num_gpus > 1 needs rollout.engine torch or paged: a vLLM engine per torchrun rank is not wired "
                              "(it needs vLLM's external_launcher backend)")
         return self
 
@@ -208,7 +215,7 @@ class EvalConfig(_Section):
     template: str | None = Field(None, description="None: the training template")
     batch_size: int = Field(64, ge=1, description="prompts per generate call")
     limit: int | None = Field(None, ge=1, description="evaluate only the first N problems (smoke tests)")
-    engine: Literal["torch", "vllm"] = "torch"
+    engine: Literal["torch", "paged", "vllm"] = "torch"
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     grading_timeout_s: float = Field(1.0, gt=0, le=60, description="wall-time limit of grading one sample; a "
                                      "sample over it counts as wrong and in the benchmark's grading_timeouts")

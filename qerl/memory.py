@@ -9,8 +9,10 @@ max_completion_length, the longest row; D = bytes of train.dtype (4 for float32,
                AdamW's two states in the model's dtype), a whole replica on every rank (FSDP2 sharding is not built)
   adapter      LoRA parameters (r x (in + out) of each target projection of each layer) x 16 (fp32 weight,
                gradient and AdamW's two states)
-  rollout      torch engine: today's static KV cache holds every row of the rank at once, rows x S x 2 x layers x
-               kv_heads x head_dim x D; vllm: rollout.gpu_memory_utilization of the card
+  rollout      torch engine: its static KV cache holds every row of the rank at once, rows x S x 2 x layers x
+               kv_heads x head_dim x D; vllm: rollout.gpu_memory_utilization of the card; paged: 0, since its pool
+               takes that fraction of the memory left free and goes back before the update (it must hold one
+               whole row: S x 2 x layers x kv_heads x head_dim x D, checked apart)
   activations  micro_batch_size x S tokens x [gradient checkpointing: layers x hidden x D (each layer's saved
                input; none with offload_activations) + one layer's saved tensors (6 hidden + 4 intermediate /
                mlp_chunks) x D; without: layers x those tensors] + the lm_head chunk (logprob_chunk_size x vocab
@@ -82,6 +84,8 @@ def rank_memory_gib(shape: Shape, scheme: str, train, num_gpus: int) -> dict[str
         adapter = shape.layers * lora * 16
     if train.rollout.engine == "vllm":
         rollout = train.rollout.gpu_memory_utilization * GPU_GIB * _GIB
+    elif train.rollout.engine == "paged":
+        rollout = 0.0
     else:
         rows = train.batch_size * train.num_generations // num_gpus
         rollout = rows * tokens * 2 * shape.layers * shape.kv_heads * shape.head_dim * d
@@ -122,6 +126,8 @@ def check_fits(model_size: str | None, scheme: str, train) -> None:
         return
     est = rank_memory_gib(shape, scheme, train, train.num_gpus)
     if est["total"] <= GPU_GIB:
+        if train.rollout.engine == "paged":
+            _check_pool_holds_a_row(shape, train, est)
         return
     parts = ", ".join(f"{k} {est[k]:.0f}" for k in ("weights", "adapter", "rollout", "activations"))
     head = (f"needs ~{est['total']:.0f} GiB per GPU with num_gpus {train.num_gpus} ({parts} GiB; "
@@ -134,6 +140,18 @@ def check_fits(model_size: str | None, scheme: str, train) -> None:
                          "rank and needs FSDP2 sharding (not built yet)")
     raise ValueError(f"{head}, and no num_gpus up to {MAX_GPUS_PER_NODE} (one node) fits: lower micro_batch_size, "
                      "max_completion_length or batch_size, or use gradient_checkpointing / offload_activations")
+
+
+def _check_pool_holds_a_row(shape: Shape, train, est: dict[str, float]) -> None:
+    """The paged pool is a fraction of what the weights leave free; the scheduler needs room for one whole row."""
+    d = 4 if train.dtype == "float32" else 2
+    row = (train.max_prompt_length + train.max_completion_length) * 2 * shape.layers * shape.kv_heads \
+        * shape.head_dim * d / _GIB
+    pool = train.rollout.gpu_memory_utilization * (GPU_GIB - est["weights"] - est["adapter"] - est["overhead"])
+    if pool < row:
+        raise ValueError(f"rollout.gpu_memory_utilization {train.rollout.gpu_memory_utilization}: a ~{pool:.1f} GiB "
+                         f"KV pool cannot hold one row of max_prompt_length + max_completion_length tokens "
+                         f"({row:.1f} GiB); raise it or shorten the rows")
 
 
 def report_line(name: str, model_size: str | None, scheme: str, train) -> str | None:

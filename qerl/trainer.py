@@ -79,6 +79,17 @@ class Batch:
         return self.completion_mask.shape[1]
 
 
+
+def engine_options(cfg: TrainConfig) -> dict[str, Any]:
+    """make_engine's keyword arguments for the configured rollout engine."""
+    r = cfg.rollout
+    if r.engine == "paged":
+        return {"gpu_memory_utilization": r.gpu_memory_utilization, "block_size": r.block_size,
+                "max_num_batched_tokens": r.max_num_batched_tokens, "max_num_seqs": r.max_num_seqs}
+    if r.engine == "vllm":
+        return {"gpu_memory_utilization": r.gpu_memory_utilization, "max_lora_rank": max(64, cfg.lora.lora_r)}
+    return {}
+
 class GRPOTrainer:
     def __init__(self, cfg: TrainConfig, model, tokenizer, prompts: list[list[int]], answers: list[str],
                  reward_fns: list[tuple[str, Callable, float]], *, checkpoint_dir: str | Path,
@@ -118,11 +129,7 @@ class GRPOTrainer:
         self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer,
                                        num_warmup_steps=math.ceil(cfg.warmup_ratio * updates),
                                        num_training_steps=updates)
-        engine_kw = {}
-        if cfg.rollout.engine == "vllm":
-            engine_kw = {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-                         "max_lora_rank": max(64, cfg.lora.lora_r)}
-        self.engine = make_engine(cfg.rollout.engine, model, tokenizer, **engine_kw)
+        self.engine = make_engine(cfg.rollout.engine, model, tokenizer, **engine_options(cfg))
         self.step, self.log_history = 0, []
         self._perms: dict[int, torch.Tensor] = {}
 
@@ -403,7 +410,7 @@ class GRPOTrainer:
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batch = self.rollout(self.step)
-            getattr(self.engine, "sleep", lambda: None)()  # vllm frees its memory for the update; generate wakes it
+            self.engine.sleep()  # the KV pool (paged) or vLLM's memory goes to the update; generate takes it back
             metrics = {**batch.metrics, **self.update(batch, self.step)}
             metrics["timing/step"] = time.perf_counter() - t0
             metrics["tokens_per_second"] = metrics.pop("rollout_tokens") / max(metrics["timing/rollout"], 1e-9)

@@ -177,7 +177,9 @@ def _stub_stages(monkeypatch, tiny_model_dir: Path) -> None:
 
 def _stage_reads(tmp_path: Path, task: Path, tiny_model_dir: Path) -> set[str]:
     from qerl import evaluate, merge, quantize, train
+    from qerl.config import parse_section
     from qerl.stage import run_main
+    from qerl.trainer import engine_options
 
     exp = probe_experiment(task)
     sec = {kind: json.dumps(exp[kind]) for kind in ("quantize", "train", "merge", "eval")}
@@ -191,6 +193,9 @@ def _stage_reads(tmp_path: Path, task: Path, tiny_model_dir: Path) -> set[str]:
                               "--config-json", sec["merge"], "--dtype", "float32"])
         run_main(evaluate.main, [*common, "--trained", str(m), "--out", str(tmp_path / "eval.json"),
                                  "--config-json", sec["eval"]])
+        # the probe rolls out with vLLM; the paged engine's knobs are read where the trainer builds its engine
+        paged = {**exp["train"], "rollout": {**exp["train"]["rollout"], "engine": "paged"}}
+        engine_options(parse_section("train", paged))
     return seen
 
 

@@ -121,13 +121,22 @@ def test_the_run_ends_with_the_accuracies_on_the_console(tmp_path):
     assert tables_main(["--summary", str(tmp_path / "nope.json")]) == 2
 
 
-def test_multi_gpu_training_runs_torchrun_and_asks_for_its_gpus(plan):
-    """qwen7b (train.num_gpus 8): torchrun over 8 ranks of one node and 8 GPUs for the job; the CPU demo keeps the
-    plain `python -m qerl.train` and no GPU."""
-    qwen = plan[("train", "qwen7b")]
+def test_multi_gpu_training_runs_torchrun_and_asks_for_its_gpus(plan, tmp_path):
+    """qwen7b with train.num_gpus 2: torchrun over 2 ranks of one node and 2 GPUs for the job; the CPU demo keeps
+    the plain `python -m qerl.train` and no GPU."""
+    raw = _repo_raw()
+    raw["experiments"]["qwen7b"]["train"] = {**raw["experiments"]["qwen7b"]["train"], "num_gpus": 2}
+    raw["tokenizer_dir"] = str(REPO.parent / "shared" / "tokenizers" / "qwen2.5")
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(raw))
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "1", "--snakefile",
+                           str(REPO / "Snakefile"), "--directory", str(tmp_path), "results/qwen7b/adapter"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    qwen = next(b for b in proc.stdout.split("\nrule ")[1:] if b.startswith("train:"))
     words = shlex.split(qwen.split("Shell command:")[1].split(">")[0])
-    assert words[1:8] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", "-m", "qerl.train"]
-    assert re.search(r"resources: .*\bgpu=8\b", qwen)
+    assert words[1:8] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "qerl.train"]
+    assert re.search(r"resources: .*\bgpu=2\b", qwen)
     demo = plan[("train", "demo")]
     words = shlex.split(demo.split("Shell command:")[1].split(">")[0])
     assert words[1:4] == ["-m", "qerl.train", "--experiment"]
@@ -140,7 +149,9 @@ def _repo_raw() -> dict:
 
 def test_memory_estimate_refuses_too_few_gpus_and_names_how_many():
     raw = _repo_raw()
-    raw["experiments"]["qwen7b"]["train"] = {**raw["experiments"]["qwen7b"]["train"], "num_gpus": 2}
+    # the static torch engine keeps every row's KV cache: 1,024 rows of 4,608 tokens need 8 GPUs at 7B
+    raw["experiments"]["qwen7b"]["train"] = {**raw["experiments"]["qwen7b"]["train"], "num_gpus": 2,
+                                             "rollout": {"engine": "torch"}}
     with pytest.raises(QerlError, match=r"experiments\.qwen7b: train\.num_gpus: needs ~\d+ GiB per GPU with num_gpus "
                                         r"2 \(weights .*rollout .*GiB; qerl/memory.py\), more than an 80 GiB card: set "
                                         r"num_gpus: 8$"):
@@ -155,12 +166,27 @@ def test_full_training_that_no_rank_count_fits_says_fsdp2():
         parse_config(raw)
 
 
+def test_the_paper_rows_fit_one_gpu_with_the_paged_engine():
+    """The paged pool is released before the update, so 1,024 rollouts of 4,608 tokens fit one 80 GB GPU up to 32B;
+    a pool too small for one row is refused by name."""
+    cfg = parse_config(_repo_raw())
+    for name in ("qwen7b", "qwen14b-math-nvfp4-lora-aqn", "qwen32b-math-nvfp4-lora-aqn"):
+        train = cfg.experiments[name].train
+        assert (train.rollout.engine, train.num_gpus, train.batch_size * train.num_generations) == ("paged", 1, 1024)
+    raw = _repo_raw()
+    train = raw["experiments"]["qwen32b-math-bf16-lora"]["train"]
+    raw["experiments"]["qwen32b-math-bf16-lora"]["train"] = {**train, "rollout": {
+        **train["rollout"], "gpu_memory_utilization": 0.05}}
+    with pytest.raises(QerlError, match=r"rollout.gpu_memory_utilization 0.05: a ~\d+\.\d GiB KV pool cannot hold one row"):
+        parse_config(raw)
+
+
 def test_rows_kept_out_of_experiments_really_do_not_fit():
     """config.yaml parks the paper rows that need more than one node (or FSDP2) under `_not_runnable_yet`; each
     one, put back under experiments, is refused by the estimate (move it back once it fits)."""
     raw = _repo_raw()
     parked = raw["_not_runnable_yet"]
-    assert {"qwen7b-bf16-full", "qwen14b-math-nvfp4-lora-aqn", "qwen32b-math-nvfp4-lora-aqn"} <= set(parked)
+    assert {"qwen7b-bf16-full", "qwen32b-math-bf16-full"} <= set(parked)
     for name, exp in parked.items():
         with pytest.raises(QerlError, match=rf"experiments\.{re.escape(name)}: train\.num_gpus: needs"):
             parse_config({**raw, "experiments": {**raw["experiments"], name: exp}})
@@ -171,7 +197,7 @@ def test_rows_kept_out_of_experiments_really_do_not_fit():
     ({"batch_size": 8, "micro_batch_size": 32, "num_gpus": 4}, "micro_batch_size must divide batch_size * "
                                                                "num_generations / num_gpus"),
     ({"num_gpus": 9}, "num_gpus: Input should be less than or equal to 8"),
-    ({"num_gpus": 2, "rollout": {"engine": "vllm"}}, "num_gpus > 1 needs rollout.engine torch"),
+    ({"num_gpus": 2, "rollout": {"engine": "vllm"}}, "num_gpus > 1 needs rollout.engine torch or paged"),
 ])
 def test_num_gpus_must_split_the_step_into_whole_groups_and_micro_batches(train, message):
     with pytest.raises(QerlError) as err:

@@ -105,6 +105,10 @@ class RolloutEngine(ABC):
                  sampling: SamplingParams | None = None) -> RolloutOutput:
         """Sample n completions per prompt; see RolloutOutput for the row layout."""
 
+    def sleep(self) -> None:
+        """Give memory the update needs back after a rollout (a KV pool, vLLM's weights); generate() takes it again.
+        No-op by default."""
+
     def close(self) -> None:
         """Free engine resources (caches, compiled graphs, worker processes). Safe to call twice."""
 
@@ -131,11 +135,15 @@ def check_prompts(prompt_ids, n: int) -> list[list[int]]:
 
 
 def make_engine(name: str, model, tokenizer, **kw) -> RolloutEngine:
-    """Build the engine named by config `rollout.engine` ("torch" or "vllm")."""
+    """Build the engine named by config `rollout.engine` ("torch", "paged" or "vllm")."""
     if name == "torch":
         from qerl.rollout.torch_engine import TorchEngine
 
         return TorchEngine(model, tokenizer, **kw)
+    if name == "paged":
+        from qerl.rollout.paged_engine import PagedEngine
+
+        return PagedEngine(model, tokenizer, **kw)
     if name == "vllm":
         try:  # vLLM lives in its own environment; it may be imported by the module or lazily inside it
             from qerl.rollout.vllm_engine import VLLMEngine
@@ -143,4 +151,4 @@ def make_engine(name: str, model, tokenizer, **kw) -> RolloutEngine:
             return VLLMEngine(model, tokenizer, **kw)
         except ImportError as e:
             raise QerlError(f"rollout.engine 'vllm' needs vLLM in this environment: pip install 'qerl[vllm]' ({e})") from e
-    raise QerlError(f"rollout.engine: expected 'torch' or 'vllm', got {name!r}")
+    raise QerlError(f"rollout.engine: expected 'torch', 'paged' or 'vllm', got {name!r}")

@@ -107,6 +107,10 @@ class PagedEngine(RolloutEngine):
             self.pool.release()
         self.pool, self._graphs = None, None  # graphs read the pool by address
 
+    def sleep(self) -> None:
+        """Between rollouts the pool's memory belongs to the update (the pool was sized from free memory)."""
+        self.release()
+
     def close(self) -> None:
         self.release()
 
