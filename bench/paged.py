@@ -10,6 +10,13 @@ waiting rows take its place); TorchEngine's static batch decodes every row until
 so it runs max(lengths) steps with EOS ignored - the same work as with forced EOS. tokens/s counts the drawn
 (useful) tokens of both. Each engine runs the workload once untimed (compilation, graph captures), then timed.
 A second workload, --fixed (the earlier measurement: 16 prompts x 4 x 128 tokens, all rows full length), is run too.
+
+--modes fp4,bf16: the trainer's models instead of the plain bf16 one, one after the other (each freed before the
+next): random FP4 (FP4Linear) or bf16 weights + peft LoRA r --lora-r on all 7 projections, built as bench.e2e_workers
+builds them for the e2e benchmark; the same draws for both; the table adds the FP4/bf16 ratio of tokens/s and peak.
+--warmup-tokens N: the untimed run ends every row after at most N tokens (same rows and max_tokens, so the same
+decode graphs' key), which compiles and captures most buckets without the whole workload's time; buckets first met
+in the timed run are captured there (counted in graph_captures).
 Prints a table and writes JSON atomically.
 """
 from __future__ import annotations
@@ -55,6 +62,12 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--engines", default="paged,static", help="comma list of: paged, paged-nc (not compiled), static")
     p.add_argument("--no-fixed", action="store_true", help="skip the 16 x 4 x 128 fixed-length workload")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="", help="comma list of fp4, bf16: random weights + LoRA "
+                   "(default: bf16 without LoRA)")
+    p.add_argument("--mode", dest="modes", help="one of fp4, bf16 (as --modes)")
+    p.add_argument("--lora-r", type=int, default=32, help="LoRA rank of --modes models (alpha = 2 r)")
+    p.add_argument("--warmup-tokens", type=int, default=0, help="untimed run's rows end after at most this many "
+                   "tokens (0: the whole workload)")
     p.add_argument("--out", default="results/bench/paged.json")
     return p.parse_args(argv)
 
@@ -69,6 +82,17 @@ def build_model(size: str, device: str):
     else:
         config = size
     return build_random_model(config, fp4=False, device=device, dtype=torch.bfloat16)
+
+
+def build_lora_model(size: str, mode: str, lora_r: int, seed: int, device: str):
+    """bench.e2e_workers' model of the e2e benchmark: random FP4 or bf16 Qwen2.5 + peft LoRA on all 7 projections
+    (gradient checkpointing on, fused LoRA training path), as the trainer holds it between updates."""
+    from bench.random_models import attach_lora, build_random_model, qwen25_config
+
+    if mode not in ("fp4", "bf16"):
+        raise SystemExit(f"--modes: expected fp4 and/or bf16, got {mode!r}")
+    model = build_random_model(qwen25_config(size), fp4=mode == "fp4", device=device, dtype=torch.bfloat16, seed=seed)
+    return attach_lora(model, r=lora_r, alpha=2 * lora_r, fp4=mode == "fp4", gradient_checkpointing=True, fused=True)
 
 
 def draw_lengths(rows: int, median: float, sigma: float, cap: int, seed: int) -> list[int]:
@@ -93,18 +117,21 @@ def _timed(fn) -> tuple[float, object]:
 
 def run_paged(model, tok, prompts, n, lengths, args, compile="auto") -> dict:
     engine = ForcedLengthEngine(model, tok, block_size=args.block_size, eos_token_ids=(), compile=compile)
-    engine.lengths = lengths
     sampling = SamplingParams(temperature=1.0, max_tokens=max(lengths), seed=args.seed)
+    engine.lengths = [min(k, args.warmup_tokens) for k in lengths] if args.warmup_tokens else lengths
     warm_start = time.perf_counter()
     engine.generate(prompts, n, sampling)
     warm = time.perf_counter() - warm_start
+    engine.lengths = lengths
     wall, out = _timed(lambda: engine.generate(prompts, n, sampling))
     got = [len(c) for c in out.completion_ids]
     assert got == lengths, "PagedEngine rows did not end at their drawn lengths"
     stats = {k: out.stats[k] for k in ("steps", "preemptions", "peak_running", "peak_blocks", "num_blocks",
-                                       "graph_captures", "graph_replays", "graph_eager_steps") if k in out.stats}
+                                       "graph_captures", "graph_replays", "graph_eager_steps", "projection_groups")
+             if k in out.stats}
     engine.close()
-    return dict(engine="paged" if compile else "paged-nc", wall_s=wall, warmup_s=warm, generated_tokens=sum(got), **stats,
+    return dict(engine="paged" if compile else "paged-nc", wall_s=wall, warmup_s=warm, generated_tokens=sum(got),
+                **stats,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30)
 
 
@@ -135,14 +162,28 @@ def run_workload(name, model, tok, prompts, n, lengths, args) -> list[dict]:
 
 
 def _table(rows) -> str:
-    head = f"{'workload':10s} {'engine':7s} {'rows':>5s} {'useful tok':>10s} {'computed':>9s} {'wall s':>7s} " \
+    head = f"{'model':9s} {'workload':10s} {'engine':7s} {'rows':>5s} {'useful tok':>10s} {'computed':>9s} " \
+           f"{'wall s':>7s} " \
            f"{'tok/s':>9s} {'steps':>6s} {'peak GiB':>8s}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['workload']:10s} {r['engine']:7s} {r['rows']:5d} {r['useful_tokens']:10d} "
+        lines.append(f"{r.get('model', 'bf16'):9s} {r['workload']:10s} {r['engine']:7s} {r['rows']:5d} "
+                     f"{r['useful_tokens']:10d} "
                      f"{r['generated_tokens']:9d} {r['wall_s']:7.2f} {r['tok_s']:9,.0f} {r['steps']:6d} "
                      f"{r['peak_gib']:8.2f}")
-    return "\n".join(lines)
+    return "\n".join(lines + _ratios(rows))
+
+
+def _ratios(rows) -> list[str]:
+    """FP4/bf16 ratios of tokens/s and peak memory per workload and engine, where both models ran."""
+    by = {(r.get("model"), r["workload"], r["engine"]): r for r in rows}
+    out = []
+    for (model, workload, engine), fp4 in by.items():
+        bf16 = by.get(("bf16+lora", workload, engine))
+        if model == "fp4+lora" and bf16:
+            out.append(f"FP4/bf16 ({workload}, {engine}): tokens/s x{fp4['tok_s'] / bf16['tok_s']:.2f}, "
+                       f"peak GiB x{fp4['peak_gib'] / bf16['peak_gib']:.2f}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -151,11 +192,25 @@ def main(argv=None) -> int:
 
     shared = Path(os.environ.get("QERL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
     tok = AutoTokenizer.from_pretrained(shared / "tokenizers" / "qwen2.5")
-    model = build_model(args.size, "cuda")
+    lengths = draw_lengths(args.prompts * args.n, args.median, args.sigma, args.max_tokens, args.seed)
+    modes = [m for m in args.modes.split(",") if m] or [None]
+    results = []
+    for mode in modes:
+        results += _run_model(args, mode, tok, lengths)
+        print(_table(results), flush=True)
+        _write(args, lengths, results)  # after each model: a run cut short keeps what it measured
+    return 0
+
+
+def _run_model(args, mode, tok, lengths) -> list[dict]:
+    """Both workloads on one model, which is freed afterwards."""
+    import gc
+
+    model = build_model(args.size, "cuda") if mode is None else build_lora_model(args.size, mode, args.lora_r,
+                                                                                 args.seed, "cuda")
+    name = "bf16" if mode is None else f"{mode}+lora"
     vocab = model.config.vocab_size
-    rows_total = args.prompts * args.n
-    lengths = draw_lengths(rows_total, args.median, args.sigma, args.max_tokens, args.seed)
-    print(f"{torch.cuda.get_device_name()}: random Qwen2.5-{args.size} bf16; completion lengths log-normal "
+    print(f"{torch.cuda.get_device_name()}: random Qwen2.5-{args.size} {name}; completion lengths log-normal "
           f"(median {args.median:.0f}, sigma {args.sigma}, cap {args.max_tokens}): mean {np.mean(lengths):.0f}, "
           f"max {max(lengths)}; each row's end forced at its drawn length (random weights never emit EOS)",
           flush=True)
@@ -164,7 +219,15 @@ def main(argv=None) -> int:
     if not args.no_fixed:
         results += run_workload("fixed128", model, tok, random_prompts(16, 128, vocab, args.seed + 1), 4,
                                 [128] * 64, args)
-    print(_table(results))
+    for r in results:
+        r["model"] = name
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return results
+
+
+def _write(args, lengths, results) -> None:
     payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
                "lengths": lengths, "note": "rows end at their drawn lengths (forced EOS for paged; the static "
                "batch runs to the longest row); tok_s = drawn tokens / wall", "results": results}
@@ -173,7 +236,6 @@ def main(argv=None) -> int:
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     os.replace(tmp, out)
-    return 0
 
 
 if __name__ == "__main__":

@@ -132,23 +132,3 @@ def check_prompts(prompt_ids, n: int) -> list[list[int]]:
             raise QerlError(f"generate: prompt_ids[{i}] is empty; every prompt needs at least one token")
         out.append(ids)
     return out
-
-
-def make_engine(name: str, model, tokenizer, **kw) -> RolloutEngine:
-    """Build the engine named by config `rollout.engine` ("torch", "paged" or "vllm")."""
-    if name == "torch":
-        from qerl.rollout.torch_engine import TorchEngine
-
-        return TorchEngine(model, tokenizer, **kw)
-    if name == "paged":
-        from qerl.rollout.paged_engine import PagedEngine
-
-        return PagedEngine(model, tokenizer, **kw)
-    if name == "vllm":
-        try:  # vLLM lives in its own environment; it may be imported by the module or lazily inside it
-            from qerl.rollout.vllm_engine import VLLMEngine
-
-            return VLLMEngine(model, tokenizer, **kw)
-        except ImportError as e:
-            raise QerlError(f"rollout.engine 'vllm' needs vLLM in this environment: pip install 'qerl[vllm]' ({e})") from e
-    raise QerlError(f"rollout.engine: expected 'torch', 'paged' or 'vllm', got {name!r}")

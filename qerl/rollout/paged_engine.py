@@ -17,15 +17,17 @@ from __future__ import annotations
 import torch
 
 from qerl.errors import QerlError
+from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
 from qerl.rollout.attention import attention_implementation
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
 from qerl.rollout.kv_pool import BlockAllocator, KVPool, kv_shape
+from qerl.rollout.lora_shadows import lora_in_dtype
 from qerl.rollout.paged_attention import NAME, PagedMeta, triton_paged
 from qerl.rollout.paged_graphs import DecodeGraphs, decode_forward
 from qerl.rollout.sampling import row_uniforms, sample_tokens
 from qerl.rollout.scheduler import Scheduler, blocks_for, check_fits
-from qerl.rollout.torch_engine import (_compile_options, _eos_ids, _inference_mode, _model_signature,
-                                       _sampling_key)
+from qerl.rollout.torch_engine import (_compile_options, _compute_dtype, _eos_ids, _inference_mode,
+                                       _model_signature, _sampling_key)
 
 _MAX_BUCKET = 512  # largest decode bucket when max_num_seqs is None; more running rows decode unpadded
 
@@ -43,12 +45,14 @@ class PagedEngine(RolloutEngine):
     CUDA graphs on CUDA where the Triton decode kernel runs; False: every step packed and eager; "auto": on CUDA.
     compile: torch.compile the bucketed decode forward (True, False, or "auto" = where it is captured as CUDA
     graphs), as TorchEngine's; a compile failure warns and decodes uncompiled.
+    lora_dtype, fuse_projections: as TorchEngine's, with its defaults ("auto": the model's compute dtype, and FP4 +
+    dense projection groups, on CUDA only), in place around each call; graphs are captured with them in place.
     """
 
     def __init__(self, model, tokenizer, *, block_size: int = 16, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.85, max_num_batched_tokens: int = 8192,
                  max_num_seqs: int | None = None, eos_token_ids=None, decode_buckets="auto",
-                 compile="auto"):
+                 compile="auto", lora_dtype="auto", fuse_projections="auto"):
         for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise QerlError(f"PagedEngine.{name}: expected an int >= 1, got {value!r}")
@@ -60,6 +64,10 @@ class PagedEngine(RolloutEngine):
             raise QerlError(f"PagedEngine.decode_buckets: expected True, False or 'auto', got {decode_buckets!r}")
         if compile not in (True, False, "auto"):
             raise QerlError(f"PagedEngine.compile: expected True, False or 'auto', got {compile!r}")
+        if lora_dtype not in (None, "auto") and not isinstance(lora_dtype, torch.dtype):
+            raise QerlError(f"PagedEngine.lora_dtype: expected None, 'auto' or a torch.dtype, got {lora_dtype!r}")
+        if fuse_projections not in (True, False, "auto"):
+            raise QerlError(f"PagedEngine.fuse_projections: expected True, False or 'auto', got {fuse_projections!r}")
         self.model, self.tokenizer = model, tokenizer
         self.block_size, self.num_blocks = block_size, num_blocks
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -73,6 +81,12 @@ class PagedEngine(RolloutEngine):
         self.pool: KVPool | None = None
         self.allocator: BlockAllocator | None = None  # the last call's, for inspection
         self.stats: dict = {}
+        on_cuda = self.device.type == "cuda"
+        self.lora_dtype = (_compute_dtype(model) if on_cuda else None) if lora_dtype == "auto" else lora_dtype
+        self._shadows: dict[int, torch.nn.Parameter] = {}  # id(adapter weight) -> its copy in lora_dtype
+        self._groups: list = []
+        if fuse_projections is True or (fuse_projections == "auto" and on_cuda):
+            self.fuse_projections(("fp4", "dense"))
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompt_ids, n: int = 1, sampling: SamplingParams | None = None) -> RolloutOutput:
@@ -89,17 +103,32 @@ class PagedEngine(RolloutEngine):
         self.allocator = BlockAllocator(pool.num_blocks)
         sched = Scheduler(prompts, n, sampling.max_tokens, self.allocator, self.block_size,
                           self.max_num_batched_tokens, self.max_num_seqs)
-        with _inference_mode(self.model), attention_implementation(self.model, NAME):
+        with _inference_mode(self.model), lora_in_dtype(self.model, self.lora_dtype, self._shadows), \
+                projections_fused(self._groups, _compute_dtype(self.model)), \
+                attention_implementation(self.model, NAME):
             graphs = self._graphs_for(prompts, sampling, pool)
             before = dict(graphs.stats) if graphs is not None else {}
             while not sched.done():
                 self._step(sched, pool, sampling, uniforms, graphs)
         graph_stats = {k: v - before[k] for k, v in graphs.stats.items()} if graphs is not None else {}
-        self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes, **graph_stats)
+        self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes,
+                          projection_groups=len(self._groups), **graph_stats)
         return RolloutOutput(
             prompt_ids=[p for p in prompts for _ in range(n)],
             completion_ids=[s.output for s in sched.seqs], logprobs=[s.logprobs for s in sched.seqs],
             finish_reasons=[s.finish_reason for s in sched.seqs], stats=dict(self.stats))
+
+    def fuse_projections(self, kinds=("fp4", "dense")) -> int:
+        """Group the projections of these layer kinds (after ungrouping any); returns the number of groups."""
+        self.unfuse_projections()
+        self._groups = group_projections(self.model, kinds=tuple(kinds))
+        return len(self._groups)
+
+    def unfuse_projections(self) -> None:
+        """Give the grouped layers their own weights back; later calls run them one by one."""
+        ungroup_projections(self._groups)
+        self._groups = []
+        self._graphs, self._compiled = None, None  # captured / traced with the grouped layer forwards
 
     def release(self) -> None:
         """Give the KV pool's memory back (the next call allocates a new one)."""
@@ -113,6 +142,8 @@ class PagedEngine(RolloutEngine):
 
     def close(self) -> None:
         self.release()
+        self.unfuse_projections()
+        self._shadows = {}
 
     # ---------------------------------------------------------------- one step
     def _graphs_for(self, prompts, sampling: SamplingParams, pool: KVPool) -> DecodeGraphs | None:
@@ -121,8 +152,8 @@ class PagedEngine(RolloutEngine):
             return None
         longest = max(len(p) for p in prompts) + sampling.max_tokens - 1
         width = 1 << (blocks_for(longest, self.block_size) - 1).bit_length()  # power of two: fewer recaptures
-        key = (width, _sampling_key(sampling), _model_signature(self.model), id(pool),
-               pool.key[0].data_ptr() if pool.key else 0)
+        key = (width, _sampling_key(sampling), _model_signature(self.model), self.lora_dtype, len(self._groups),
+               id(pool), pool.key[0].data_ptr() if pool.key else 0)
         if self._graphs is None or self._graphs.key != key:
             self._graphs = None  # free the previous graphs' memory first
             heads = self.model.config.get_text_config().num_attention_heads

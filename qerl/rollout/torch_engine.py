@@ -22,6 +22,7 @@ from qerl.errors import QerlError
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
 from qerl.rollout.attention import attention_implementation
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
+from qerl.rollout.lora_shadows import lora_in_dtype
 from qerl.rollout.sampling import StopChecker, row_uniforms, sample_tokens
 
 _STATIC_BUCKET = 128  # static KV length is rounded up to this, bounding CUDA-graph recaptures
@@ -134,34 +135,8 @@ class TorchEngine(RolloutEngine):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    @contextlib.contextmanager
     def _lora_in_compute_dtype(self):
-        """Swap every LoRA Linear weight that is not in lora_dtype for a same-shape copy in it (refreshed from the
-        trained weight now), and put the trained weights back afterwards. The copies persist across calls, so a
-        captured decode graph keeps reading the same addresses."""
-        swapped = []
-        if self.lora_dtype is not None:
-            for module in self.model.modules():
-                if not (hasattr(module, "lora_A") and hasattr(module, "lora_B")):
-                    continue
-                for linear in (*module.lora_A.values(), *module.lora_B.values()):
-                    weight = linear.weight
-                    if weight.dtype == self.lora_dtype or not weight.is_floating_point():
-                        continue
-                    shadow = self._shadows.get(id(weight))
-                    if shadow is None or shadow.shape != weight.shape or shadow.device != weight.device:
-                        shadow = torch.nn.Parameter(torch.empty(weight.shape, dtype=self.lora_dtype,
-                                                                device=weight.device), requires_grad=False)
-                        self._shadows[id(weight)] = shadow
-                    with torch.no_grad():
-                        shadow.copy_(weight)
-                    linear.weight = shadow
-                    swapped.append((linear, weight))
-        try:
-            yield
-        finally:
-            for linear, weight in swapped:
-                linear.weight = weight
+        return lora_in_dtype(self.model, self.lora_dtype, self._shadows)
 
     # ---------------------------------------------------------------- one group of prompts
     def _generate_group(self, prompts, n, sampling: SamplingParams, base_seed: int, first_row: int):

@@ -190,7 +190,8 @@ def test_bad_arguments_raise_one_line_errors(model_and_tok):
     for kw, field in ((dict(block_size=0), "block_size"), (dict(num_blocks=1), "num_blocks"),
                       (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
                       (dict(max_num_seqs=0), "max_num_seqs"), (dict(decode_buckets="yes"), "decode_buckets"),
-                      (dict(compile="no"), "compile")):
+                      (dict(compile="no"), "compile"), (dict(lora_dtype="half"), "lora_dtype"),
+                      (dict(fuse_projections="yes"), "fuse_projections")):
         with pytest.raises(QerlError, match=field):
             PagedEngine(model, tok, **kw)
     with pytest.raises(QerlError, match="prompt_ids"):
@@ -213,6 +214,93 @@ def test_bucketed_decode_steps_equal_torch_engine(model64, model_and_tok, prompt
     assert engine._graphs is graphs and again.completion_ids == out.completion_ids[:3]
     engine.generate(prompts[:1], 3, SamplingParams(temperature=0.5, max_tokens=10, seed=1))
     assert engine._graphs is not graphs
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def fp4_lora_model(nvfp4_dir, adapter_dtype=torch.float64):
+    """The tiny NVFP4 model (float32) + peft LoRA on all 7 projections, adapters kept in `adapter_dtype` (as the
+    trainer keeps fp32 adapters on a bf16 model), in training mode."""
+    from peft import get_peft_model
+
+    from qerl.quant.loader import load_quantized_model
+    from qerl.quant.lora import fp4_lora_config
+
+    torch.manual_seed(0)  # init_lora_weights=False: random non-zero B, so the adapters change the outputs
+    model = get_peft_model(load_quantized_model(nvfp4_dir), fp4_lora_config(r=4, lora_alpha=8, init_lora_weights=False,
+                                                                            target_modules=LORA_TARGETS))
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(adapter_dtype)
+    return model.train()
+
+
+def model_state(model):
+    """Parameter objects with their dtype and requires_grad, module objects with their training flag."""
+    return ({n: (id(p), p.dtype, p.requires_grad) for n, p in model.named_parameters()},
+            {n: (id(m), m.training) for n, m in model.named_modules()})
+
+
+def test_fp4_lora_with_groups_and_lora_dtype_equals_torch_engine_and_model_is_restored(nvfp4_dir, tiny_model_dir,
+                                                                                      prompts):
+    """fuse_projections=True + lora_dtype=float32 over float64 adapters (the CPU image of bf16 copies of fp32
+    adapters): the paged engine's rows equal TorchEngine's with the same settings (its bucketed decode steps with
+    the groups in place too); after the call the model is the trained one again: the same Parameter objects in
+    their dtype with requires_grad, the same modules in training mode, the training forward and backward unchanged."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = fp4_lora_model(nvfp4_dir)
+    ids = torch.tensor([prompts[2]])
+    before, logits = model_state(model), model(ids).logits.detach()
+    params = SamplingParams(temperature=0, max_tokens=8)  # greedy: float32 sampling draws move across batch shapes
+    same = dict(eos_token_ids=(), lora_dtype=torch.float32, fuse_projections=True)
+    torch_engine = TorchEngine(model, tok, cache="dynamic", **same)
+    ref = torch_engine.generate(prompts, 2, params)
+    assert ref.stats["projection_groups"] > 0
+    torch_engine.close()  # its groups hold the layers: ungroup so that the paged engine groups them itself
+    engine = PagedEngine(model, tok, block_size=4, decode_buckets=True, **same)
+    out = engine.generate(prompts, 2, params)
+    same_rows(out, ref, atol=1e-4)
+    assert out.stats["projection_groups"] == 2 * len(model.base_model.model.model.layers)
+    assert len(engine._shadows) == 2 * len(LORA_TARGETS) * len(model.base_model.model.model.layers)
+    assert model_state(model) == before
+    loss = model(ids).logits
+    torch.testing.assert_close(loss.detach(), logits)
+    loss.sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float64
+               for n, p in model.named_parameters() if "lora_" in n)
+    unfused = PagedEngine(model, tok, block_size=4, decode_buckets=True, eos_token_ids=(), lora_dtype=None,
+                          fuse_projections=False).generate(prompts, 2, params)
+    assert out.completion_ids != unfused.completion_ids or out.logprobs != unfused.logprobs  # float32 copies used
+    engine.close()
+    assert not any("_qerl_group" in m.__dict__ for m in model.modules()) and model_state(model) == before
+
+
+def test_graph_key_changes_with_groups_and_lora_dtype(nvfp4_dir, tiny_model_dir, prompts):
+    """The bucketed decode buffers (CUDA graphs on GPU) are rebuilt when the projection groups or lora_dtype change,
+    and the rows stay those of TorchEngine with the same settings."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = fp4_lora_model(nvfp4_dir)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    engine = PagedEngine(model, tok, block_size=4, decode_buckets=True, eos_token_ids=(), lora_dtype=torch.float32,
+                         fuse_projections=True)
+    engine.generate(prompts, 2, params)
+    graphs = engine._graphs
+    engine.generate(prompts, 2, params)
+    assert engine._graphs is graphs
+    engine.unfuse_projections()
+    out = engine.generate(prompts, 2, params)
+    assert engine._graphs is not graphs and out.stats["projection_groups"] == 0
+    graphs = engine._graphs
+    engine.lora_dtype = None
+    engine.generate(prompts, 2, params)
+    assert engine._graphs is not graphs
+    ref = TorchEngine(model, tok, cache="dynamic", eos_token_ids=(), lora_dtype=None, fuse_projections=False)
+    same_rows(engine.generate(prompts, 2, params), ref.generate(prompts, 2, params), atol=1e-4)
 
 
 def test_bucket_sizes():
@@ -243,3 +331,29 @@ def test_gpu_graph_replays_equal_eager_steps_and_see_in_place_updates(model_and_
     assert again.stats["graph_captures"] == 0 and again.stats["graph_replays"] == 24 - 1
     same_rows(again, eager.generate(prompts, 3, params), atol=1e-4)
     assert again.completion_ids != out.completion_ids
+
+
+@pytest.mark.gpu
+def test_gpu_fp4_lora_graphs_with_groups_and_bf16_style_copies_equal_eager(nvfp4_dir, tiny_model_dir, prompts):
+    """On CUDA with the defaults (groups, adapter copies in the compute dtype, graphs): the rows of an eager,
+    ungrouped engine with the same copies; the second call replays; ungrouping recaptures with the same rows."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = fp4_lora_model(nvfp4_dir).cuda()
+    before = model_state(model)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    engine = PagedEngine(model, tok, block_size=16, num_blocks=64, eos_token_ids=())
+    assert engine.lora_dtype == torch.float32
+    runs = [engine.generate(prompts, 2, params) for _ in range(2)]
+    eager = PagedEngine(model, tok, block_size=16, num_blocks=64, eos_token_ids=(), decode_buckets=False,
+                        fuse_projections=False).generate(prompts, 2, params)
+    assert runs[0].stats["projection_groups"] == 2 * len(model.base_model.model.model.layers)
+    assert runs[0].stats["graph_captures"] >= 1 and runs[1].stats["graph_captures"] == 0
+    for run in runs:
+        same_rows(run, eager, atol=1e-3)
+    engine.unfuse_projections()
+    again = engine.generate(prompts, 2, params)
+    assert again.stats["graph_captures"] >= 1
+    same_rows(again, eager, atol=1e-3)
+    assert model_state(model) == before
