@@ -10,6 +10,7 @@ import pytest
 from qerl.errors import QerlError
 from qerl.hub import model_commit, resolve_model
 from qerl.stage import run_main
+from stage_errors import stage_error_line as _stage_fails
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "org/tiny-qwen"
@@ -44,15 +45,6 @@ def _one_line(fn, *args, **kwargs) -> str:
         fn(*args, **kwargs)
     assert "\n" not in str(err.value)
     return str(err.value)
-
-
-def _stage_fails(capsys, main, argv) -> str:
-    with pytest.raises(SystemExit) as exc:
-        run_main(main, argv)
-    assert exc.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1
-    return lines[0]
 
 
 def _params(results_dir, stage: str) -> dict:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qerl.errors import QerlError
-from qerl.stage import run_main
+from stage_errors import stage_error_line as _stage_line
 
 WEIGHTS = "model.safetensors"
 
@@ -66,15 +66,6 @@ def broken_checkpoint(request, tiny_model_dir, tmp_path):
         (d / WEIGHTS).write_bytes(data)
     brk(d)
     return d, str(d / file) if file else str(d), words
-
-
-def _stage_line(capsys, main, argv) -> str:
-    with pytest.raises(SystemExit) as exc:
-        run_main(main, argv)
-    assert exc.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1
-    return lines[0]
 
 
 def _cli_argv(stage: str, model, tmp_path, data_dir) -> tuple:

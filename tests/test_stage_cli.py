@@ -7,17 +7,9 @@ import logging
 import pytest
 
 from qerl.stage import run_main
+from stage_errors import stage_error_line as _fails
 
 EVAL_CFG = {"benchmarks": [{"name": "gsm8k"}], "variants": ["trained"], "max_new_tokens": 4, "limit": 2}
-
-
-def _fails(capsys, main, argv) -> str:
-    with pytest.raises(SystemExit) as exc:
-        run_main(main, argv)
-    assert exc.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1
-    return lines[0]
 
 
 def test_evaluate_unknown_benchmark(capsys, tmp_path, data_dir):
