@@ -19,15 +19,6 @@ TEXTS = ["Hello there, how are you today?", "2+2=", "The quick brown fox jumps o
 
 
 @pytest.fixture(scope="module")
-def model_and_tok(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    return model.eval(), tok
-
-
-@pytest.fixture(scope="module")
 def model64(model_and_tok):
     return copy.deepcopy(model_and_tok[0]).double()
 

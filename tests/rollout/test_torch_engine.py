@@ -14,15 +14,6 @@ TEXTS = ["Hello there, how are you today?", "2+2=", "The quick brown fox jumps o
 
 
 @pytest.fixture(scope="module")
-def model_and_tok(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    return model.eval(), tok
-
-
-@pytest.fixture(scope="module")
 def prompts(model_and_tok):
     _, tok = model_and_tok
     ids = [tok(t)["input_ids"] for t in TEXTS]
