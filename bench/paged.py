@@ -59,7 +59,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--median", type=float, default=400.0, help="median completion length of the log-normal")
     p.add_argument("--sigma", type=float, default=0.6, help="sigma of log(length)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--engines", default="paged,static", help="comma list of: paged, paged-nc (not compiled), static")
+    p.add_argument("--engines", default="paged,static", help="comma list of: paged, paged-nc (not compiled), static, static-nc (not compiled)")
+    p.add_argument("--static-chunk", type=int, default=0, help="rows per static-engine batch, whole prompt groups "
+                   "(0: all rows in one batch; the static cache holds every row at full length)")
     p.add_argument("--no-fixed", action="store_true", help="skip the 16 x 4 x 128 fixed-length workload")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="", help="comma list of fp4, bf16: random weights + LoRA "
@@ -135,21 +137,34 @@ def run_paged(model, tok, prompts, n, lengths, args, compile="auto") -> dict:
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30)
 
 
-def run_static(model, tok, prompts, n, lengths, args) -> dict:
-    engine = TorchEngine(model, tok, eos_token_ids=())  # static cache, CUDA graphs, torch.compile ("auto")
-    sampling = SamplingParams(temperature=1.0, max_tokens=max(lengths), seed=args.seed)
-    warm_start = time.perf_counter()
-    engine.warm_up(prompts, n, sampling)
-    warm = time.perf_counter() - warm_start
-    wall, out = _timed(lambda: engine.generate(prompts, n, sampling))
+def run_static(model, tok, prompts, n, lengths, args, compile="auto") -> dict:
+    """The static engine (one KV cache for the batch, CUDA graphs; torch.compile unless compile=False), over
+    chunks of --static-chunk rows (whole prompt groups) one after the other where the whole batch would not fit:
+    each chunk decodes until its longest row's drawn length. Each chunk is warmed up untimed first."""
+    engine = TorchEngine(model, tok, eos_token_ids=(), compile=compile)
+    per = max(1, (args.static_chunk or len(lengths)) // n)  # prompts per chunk
+    wall = warm = 0.0
+    generated = steps = 0
+    for start in range(0, len(prompts), per):
+        chunk = prompts[start:start + per]
+        longest = max(lengths[start * n:(start + len(chunk)) * n])
+        sampling = SamplingParams(temperature=1.0, max_tokens=longest, seed=args.seed)
+        warm_start = time.perf_counter()
+        engine.warm_up(chunk, n, sampling)
+        warm += time.perf_counter() - warm_start
+        seconds, out = _timed(lambda: engine.generate(chunk, n, sampling))
+        wall += seconds
+        generated += sum(len(c) for c in out.completion_ids)
+        steps += longest
     engine.close()
-    return dict(engine="static", wall_s=wall, warmup_s=warm, generated_tokens=sum(len(c) for c in out.completion_ids),
-                steps=max(lengths), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    return dict(engine="static" if compile else "static-nc", wall_s=wall, warmup_s=warm, generated_tokens=generated,
+                steps=steps, static_chunk_rows=per * n, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
 
 
 def run_workload(name, model, tok, prompts, n, lengths, args) -> list[dict]:
     runners = {"paged": run_paged, "static": run_static,
-               "paged-nc": lambda *a: run_paged(*a, compile=False)}
+               "paged-nc": lambda *a: run_paged(*a, compile=False),
+               "static-nc": lambda *a: run_static(*a, compile=False)}
     rows = []
     for engine in args.engines.split(","):
         result = runners[engine](model, tok, prompts, n, lengths, args)

@@ -1,0 +1,219 @@
+"""One whole GRPO step (rollout + update) of a configured recipe, FP4 + LoRA vs bf16 + LoRA, on random weights.
+
+    python -m bench.grpo_step --experiment qwen7b --modes fp4,bf16 --out results/bench/grpo_step.json
+
+The step is the experiment's own train section from config/config.yaml (prompts per step, G, micro-batch, caps,
+LoRA rank, rollout engine and its memory knob, gradient checkpointing, offload); only `mode` differs between the
+two runs (qlora_fp4 with the recipe's AQN, lora without). --prompts / --completion-cap shrink it (said in the
+JSON). Weights are random Qwen2.5 tensors of the experiment's size (bench.random_models: speed and memory do not
+depend on the values); the reward is random within each group. Random weights never emit EOS, so each row ends at
+a length drawn from a fixed log-normal (median --median, sigma --sigma, capped at the recipe's completion cap; the
+same draws for both modes): the paged engine finishes it there as if it had sampled EOS (bench.paged's
+ForcedLengthEngine).
+
+Per mode: build, then untimed warm-up (a rollout whose rows end after --warmup-tokens, which captures the decode
+buckets, and one update of one random micro-batch, which creates AdamW's moments), then one timed step of fresh
+data. Reported: rollout s and tokens/s, decode steps, the rollout's memory floor (every decode step reads the
+weights once and each running row's KV; at the bandwidth of a device-to-device copy measured in the same run),
+update s and tokens/s, step s, peak GiB. Prints a table and writes JSON atomically after each mode.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.paged import ForcedLengthEngine, build_lora_model, draw_lengths
+from bench.random_models import decode_weight_bytes
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="config/config.yaml")
+    p.add_argument("--experiment", default="qwen7b")
+    p.add_argument("--modes", default="fp4,bf16", help="comma list of fp4, bf16")
+    p.add_argument("--size", default=None, help="random model size (default: the experiment's model_size)")
+    p.add_argument("--prompts", type=int, default=0, help="prompts per step (0: the recipe's batch_size)")
+    p.add_argument("--completion-cap", type=int, default=0, help="0: the recipe's max_completion_length")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--median", type=float, default=400.0)
+    p.add_argument("--sigma", type=float, default=0.6)
+    p.add_argument("--warmup-tokens", type=int, default=48)
+    p.add_argument("--compile", default="off", choices=("off", "auto"), help="torch.compile the decode step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="results/bench/grpo_step.json")
+    return p.parse_args(argv)
+
+
+def recipe(args):
+    """The experiment's TrainConfig and model size, shrunk as asked."""
+    from qerl.config import load_config
+
+    exp = load_config(args.config).experiments[args.experiment]
+    changes = {"max_steps": 4, "save_steps": 1000}
+    if args.prompts:
+        changes["batch_size"] = args.prompts
+    if args.completion_cap:
+        changes["max_completion_length"] = args.completion_cap
+    return exp.train.model_copy(update=changes), args.size or exp.model_size
+
+
+def measure_bandwidth(device: str) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write), the best of 5."""
+    if device != "cuda":
+        return float("nan")
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del src, dst
+    return 2 * 2**30 / best
+
+
+def rollout_floor_bytes(model, lengths: list[int], prompt_len: int, steps: int) -> int:
+    """Bytes a rollout must read at least: the weights once per decode step, and at each row's t-th token its
+    prompt_len + t cached positions (K and V of every layer)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_pos = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
+    kv = sum(length * prompt_len + length * (length + 1) // 2 for length in lengths) * per_pos
+    return steps * decode_weight_bytes(model) + kv
+
+
+class _Recording(ForcedLengthEngine):
+    """ForcedLengthEngine that keeps its last output's stats."""
+
+    last_stats: dict = {}
+
+    def generate(self, prompts, n, sampling):
+        out = super().generate(prompts, n, sampling)
+        self.last_stats = dict(out.stats)
+        return out
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidth: float) -> dict:
+    from transformers import AutoTokenizer
+
+    from bench.e2e_workers import _random_reward, random_batch, random_prompts
+    from qerl.trainer import GRPOTrainer, engine_options
+
+    shared = Path(os.environ.get("QERL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+    tok = AutoTokenizer.from_pretrained(shared / "tokenizers" / "qwen2.5")
+    cfg = train_cfg.model_copy(update={"mode": "qlora_fp4" if mode == "fp4" else "lora",
+                                       "aqn": train_cfg.aqn if mode == "fp4" else None})
+    model = build_lora_model(size, mode, cfg.lora.lora_r, args.seed, args.device)
+    prompts = random_prompts(tok, cfg.batch_size, args.prompt_len, args.seed)
+    trainer = GRPOTrainer(cfg, model, tok, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
+                          checkpoint_dir=tempfile.mkdtemp(prefix="qerl-bench-"))
+    options = engine_options(cfg) if cfg.rollout.engine == "paged" else {}
+    engine = _Recording(model, tok, eos_token_ids=(), compile="auto" if args.compile == "auto" else False, **options)
+    trainer.engine = engine
+    engine.lengths = [min(k, args.warmup_tokens) for k in lengths]
+    t = time.perf_counter()
+    warm = trainer.rollout(0)
+    trainer.update(random_batch(cfg.micro_batch_size, args.prompt_len, cfg.max_completion_length,
+                                args.device, cfg.seed), 0)
+    _sync(args.device)
+    warm_s = time.perf_counter() - t
+    warm_peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0  # a full-length micro-batch
+    del warm
+    engine.lengths = lengths
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    batch = trainer.rollout(1)
+    rollout_peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
+    metrics = trainer.update(batch, 1)
+    _sync(args.device)
+    step_s = time.perf_counter() - t
+    stats = engine.last_stats
+    floor = rollout_floor_bytes(model, lengths, args.prompt_len, int(stats.get("steps", 0)))
+    rollout_s, update_s = batch.metrics["timing/rollout"], metrics["timing/update"]
+    update_tokens = int(batch.attention_mask.sum())
+    result = dict(mode=f"{mode}+lora", rows=len(lengths), useful_tokens=sum(lengths), warmup_s=warm_s,
+                  rollout_s=rollout_s, rollout_tok_s=sum(lengths) / rollout_s, decode_steps=stats.get("steps"),
+                  preemptions=stats.get("preemptions"), peak_running=stats.get("peak_running"),
+                  num_blocks=stats.get("num_blocks"), graph_captures_timed=stats.get("graph_captures"),
+                  floor_bytes=floor, floor_s=floor / bandwidth, floor_pct=100 * floor / bandwidth / rollout_s,
+                  update_s=update_s, update_tokens=update_tokens, update_tok_s=update_tokens / update_s,
+                  step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
+                  rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,
+                  peak_gib=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0)
+    engine.close()
+    del trainer, engine, model, batch
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _table(rows: list[dict]) -> str:
+    head = (f"{'model':10s} {'rows':>5s} {'rollout s':>9s} {'tok/s':>8s} {'floor%':>6s} {'steps':>6s} "
+            f"{'update s':>8s} {'upd tok/s':>9s} {'step s':>7s} {'peak GiB':>8s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['mode']:10s} {r['rows']:5d} {r['rollout_s']:9.1f} {r['rollout_tok_s']:8,.0f} "
+                     f"{r['floor_pct']:6.1f} {r['decode_steps'] or 0:6d} {r['update_s']:8.1f} "
+                     f"{r['update_tok_s']:9,.0f} {r['step_s']:7.1f} {r['peak_gib']:8.2f}")
+    by = {r["mode"]: r for r in rows}
+    if "fp4+lora" in by and "bf16+lora" in by:
+        f, b = by["fp4+lora"], by["bf16+lora"]
+        lines.append(f"FP4/bf16: rollout tokens/s x{f['rollout_tok_s'] / b['rollout_tok_s']:.2f}, update "
+                     f"x{b['update_s'] / f['update_s']:.2f} faster, step x{b['step_s'] / f['step_s']:.2f} faster, "
+                     f"peak x{f['peak_gib'] / max(b['peak_gib'], 1e-9):.2f}")
+    return "\n".join(lines)
+
+
+def _write(out: Path, payload: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, out)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    train_cfg, size = recipe(args)
+    rows = train_cfg.batch_size * train_cfg.num_generations
+    lengths = draw_lengths(rows, args.median, args.sigma, train_cfg.max_completion_length, args.seed)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    bandwidth = measure_bandwidth(args.device)
+    print(f"{device_name}: {args.experiment} recipe, random Qwen2.5-{size}, {train_cfg.batch_size} prompts x "
+          f"{train_cfg.num_generations}, prompts {args.prompt_len} tokens, micro-batch {train_cfg.micro_batch_size}, "
+          f"rollout engine {train_cfg.rollout.engine}; completion lengths log-normal (median {args.median:.0f}, "
+          f"sigma {args.sigma}, cap {train_cfg.max_completion_length}): mean {np.mean(lengths):.0f}, max "
+          f"{max(lengths)}, rows end there (random weights never emit EOS); copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s", flush=True)
+    payload = {"device": device_name, "torch": torch.__version__, "args": vars(args), "size": size,
+               "recipe": json.loads(train_cfg.model_dump_json()), "bandwidth_bytes_s": bandwidth,
+               "note": "random weights; rows end at drawn log-normal lengths (forced EOS); floor = weights once per "
+                       "decode step + each row's KV per token, at the measured copy bandwidth", "results": []}
+    for mode in [m for m in args.modes.split(",") if m]:
+        if mode not in ("fp4", "bf16"):
+            raise SystemExit(f"--modes: expected fp4 and/or bf16, got {mode!r}")
+        payload["results"].append(run_mode(args, mode, train_cfg, size, lengths, bandwidth))
+        print(_table(payload["results"]), flush=True)
+        _write(Path(args.out), payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

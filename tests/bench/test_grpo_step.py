@@ -1,0 +1,49 @@
+"""bench.grpo_step: the rollout floor by hand, and one tiny CPU step of the configured recipe with forced lengths."""
+import json
+import types
+
+import pytest
+import torch
+
+from bench import grpo_step
+
+
+def test_rollout_floor_bytes_by_hand():
+    config = types.SimpleNamespace(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, num_key_value_heads=2)
+    model = types.SimpleNamespace(config=config)
+    grpo_step.decode_weight_bytes, saved = (lambda m: 1000), grpo_step.decode_weight_bytes
+    try:
+        got = grpo_step.rollout_floor_bytes(model, [2, 3], prompt_len=5, steps=3)
+    finally:
+        grpo_step.decode_weight_bytes = saved
+    per_pos = 2 * 3 * 2 * 16 * 2  # K and V, layers, kv heads, head_dim 16, bf16
+    positions = (6 + 7) + (6 + 7 + 8)  # row 1 reads 6 then 7 positions; row 2 reads 6, 7, 8
+    assert got == 3 * 1000 + positions * per_pos
+
+
+def test_recipe_is_the_experiments_train_section_shrunk():
+    args = grpo_step._parse(["--experiment", "qwen7b", "--prompts", "3", "--completion-cap", "40"])
+    cfg, size = grpo_step.recipe(args)
+    assert (cfg.batch_size, cfg.max_completion_length, size) == (3, 40, "7B")
+    assert cfg.rollout.engine == "paged" and cfg.num_generations == 8
+
+
+def test_tiny_cpu_step_ends_rows_at_their_drawn_lengths(tmp_path):
+    out = tmp_path / "step.json"
+    assert grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", "bf16", "--prompts", "1",
+                           "--completion-cap", "12", "--median", "6", "--prompt-len", "8", "--warmup-tokens", "2",
+                           "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    (row,) = payload["results"]
+    assert payload["recipe"]["batch_size"] == 1 and row["rows"] == 8
+    lengths = grpo_step.draw_lengths(8, 6, 0.6, 12, 0)
+    assert row["useful_tokens"] == sum(lengths)
+    assert row["decode_steps"] >= max(lengths) - 1  # the paged engine ran until the longest drawn row ended
+    assert row["update_tokens"] > 0 and torch.isfinite(torch.tensor(row["loss"]))
+    assert row["mode"] == "bf16+lora" and row["update_s"] > 0 and row["step_s"] >= row["rollout_s"]
+
+
+def test_unknown_mode_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--modes"):
+        grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", "int8", "--prompts", "1",
+                        "--completion-cap", "4", "--out", str(tmp_path / "x.json")])
