@@ -1,6 +1,7 @@
 # qerl: quantize -> train (GRPO + AQN on NVFP4) -> merge -> evaluate, one {experiment} per config entry.
 #   snakemake --cores 1                               # the CPU demo (config: default_target)
 #   snakemake --cores 1 results/qwen7b/eval.json      # one experiment
+#   snakemake --cores 1 demo_ablation                 # an ablation (config: ablations): runs, curves, table
 #   snakemake --profile workflow/profiles/slurm all_experiments
 from snakemake.utils import min_version, validate
 
@@ -33,11 +34,14 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/merge.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/tables.smk"
+include: "workflow/rules/ablation.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
     input:
         eval_json(CFG.default_target),
+        report_files(CFG.default_target),
     default_target: True
 
 

@@ -59,6 +59,9 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         # The demo task (python -m qerl.data demo --out resources/demo_task): local only, short answers.
         BenchmarkSpec("demo", "numeric", "demo_task/test.jsonl", None, None, "test",
                       "question", "answer", template="answer_line", k=1, max_tokens=16),
+        # Its held-out split of larger operands (a in 30..99, never in training): does the skill generalise?
+        BenchmarkSpec("demo_large", "numeric", "demo_task/heldout.jsonl", None, None, "test",
+                      "question", "answer", template="answer_line", k=1, max_tokens=16),
     )
 }
 

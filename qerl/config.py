@@ -278,6 +278,21 @@ class MlflowConfig(_Section):
         return uri
 
 
+class AblationMethod(_Section):
+    label: str = Field(..., min_length=1, description="legend and table label, e.g. 'NVFP4 LoRA + AQN'")
+    quantize: dict[str, Any] = Field({}, description="keys of the base experiment's quantize section to change")
+    train: dict[str, Any] = Field({}, description="keys of the base experiment's train section to change")
+
+
+class AblationConfig(_Section):
+    base: str = Field(..., description="experiment whose model, data, recipe and eval every run starts from")
+    seeds: list[int] = Field([0, 1, 2], min_length=1, description="train.seed of each run of every method")
+    methods: dict[str, AblationMethod] = Field(..., min_length=1, description="name -> what it changes")
+    train: dict[str, Any] = Field({}, description="train keys changed for every run (e.g. a shorter run)")
+    eval: dict[str, Any] = Field({}, description="eval keys changed for every run (e.g. limit)")
+    smooth_steps: int = Field(5, ge=1, description="moving-average window of the plotted curves, in steps")
+
+
 class Config(_Section):
     default_target: str = Field("demo", description="experiment built by `snakemake` with no target")
     results_dir: str = "results"
@@ -287,6 +302,8 @@ class Config(_Section):
     data_dir: str = Field("../shared/data", description="local benchmark files (<name>/test.jsonl)")
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     experiments: dict[str, ExperimentConfig]
+    ablations: dict[str, AblationConfig] = Field({}, description="name -> methods x seeds of one base experiment "
+                                                 "(qerl.ablation); `snakemake <name>` runs and renders it")
 
     @field_validator("experiments")
     @classmethod
@@ -306,6 +323,10 @@ class Config(_Section):
     def _default_exists(self):
         if self.default_target not in self.experiments:
             raise ValueError(f"default_target '{self.default_target}' is not an experiment")
+        for name, ablation in self.ablations.items():
+            if not name.isidentifier() or ablation.base not in self.experiments:
+                raise ValueError(f"ablations.{name}: the name must be an identifier (it is a Snakemake target) "
+                                 f"and base '{ablation.base}' an experiment")
         return self
 
 

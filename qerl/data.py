@@ -1,6 +1,6 @@
 """Datasets and prompts: load question/answer records, build chat prompts, write the demo task.
 
-    python -m qerl.data demo --out resources/demo_task          # train.jsonl + test.jsonl of small subtractions
+    python -m qerl.data demo --out resources/demo_task   # train/test.jsonl of small subtractions, heldout.jsonl
 
 `load_records` reads a local .jsonl/.json/.parquet file (or a directory holding `{split}.*`) or a hub dataset
 through `datasets.load_dataset`, and returns plain dicts {id, question, answer} so that every later stage sees one
@@ -264,6 +264,9 @@ def encode_prompts(tokenizer, questions: list[str], template: str = "qerl_think"
 # b >= 5): enough for a 150-item test set that never appears in the 300-item train set.
 DEMO_A_RANGE = (5, 29)
 DEMO_N_TEST = 150
+# Larger operands than any training question: does what RL taught carry over to numbers it never saw?
+DEMO_HELDOUT_A_RANGE = (30, 99)
+DEMO_N_HELDOUT = 100
 
 
 def demo_pairs() -> list[tuple[int, int]]:
@@ -271,20 +274,32 @@ def demo_pairs() -> list[tuple[int, int]]:
     return [(a, b) for a in range(lo, hi + 1) for b in range(0, a + 1)]
 
 
+def demo_heldout_pairs(seed: int = 0, n: int = DEMO_N_HELDOUT) -> list[tuple[int, int]]:
+    """n distinct (a, b) with a in DEMO_HELDOUT_A_RANGE, 0 <= b <= a; drawn by their own generator so the
+    train/test files stay what they were."""
+    lo, hi = DEMO_HELDOUT_A_RANGE
+    pairs = [(a, b) for a in range(lo, hi + 1) for b in range(0, a + 1)]
+    return random.Random(f"heldout-{seed}").sample(pairs, n)
+
+
 def _demo_record(split: str, i: int, a: int, b: int) -> dict:
     return {"id": f"demo-{split}-{i:04d}", "question": f"What is {a} - {b}?", "answer": str(a - b)}
 
 
 def make_demo_task(out_dir: str | Path, *, seed: int = 0, n_train: int | None = None,
-                   n_test: int = DEMO_N_TEST) -> dict[str, Path]:
-    """Write train.jsonl / test.jsonl of "What is a - b?" with disjoint (a, b) pairs, same files for the same seed."""
+                   n_test: int = DEMO_N_TEST, n_heldout: int = DEMO_N_HELDOUT) -> dict[str, Path]:
+    """Write train.jsonl / test.jsonl of "What is a - b?" with disjoint (a, b) pairs, and heldout.jsonl of larger
+    operands (a in DEMO_HELDOUT_A_RANGE); same files for the same seed."""
     pairs = demo_pairs()
     n_train = len(pairs) - n_test if n_train is None else n_train
     if n_test < 1 or n_train < 1 or n_train + n_test > len(pairs):
         raise QerlError(f"demo task: n_train={n_train} + n_test={n_test} must be positive and at most "
                         f"{len(pairs)} (distinct pairs with a in {DEMO_A_RANGE}, 0 <= b <= a)")
+    if n_heldout < 1 or n_heldout > 1000:  # 1000: far below the 4,515 larger pairs, and any eval stays quick
+        raise QerlError(f"demo task: n_heldout={n_heldout} must be in 1..1000")
     random.Random(seed).shuffle(pairs)
-    splits = {"test": pairs[:n_test], "train": pairs[n_test:n_test + n_train]}
+    splits = {"test": pairs[:n_test], "train": pairs[n_test:n_test + n_train],
+              "heldout": demo_heldout_pairs(seed, n_heldout)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -292,7 +307,8 @@ def make_demo_task(out_dir: str | Path, *, seed: int = 0, n_train: int | None = 
         paths[split] = out / f"{split}.jsonl"
         lines = [json.dumps(_demo_record(split, i, a, b)) for i, (a, b) in enumerate(split_pairs)]
         paths[split].write_text("\n".join(lines) + "\n", encoding="utf-8")
-    meta = {"seed": seed, "a_range": list(DEMO_A_RANGE), "b_range": "0..a", "n_train": n_train, "n_test": n_test}
+    meta = {"seed": seed, "a_range": list(DEMO_A_RANGE), "b_range": "0..a", "n_train": n_train, "n_test": n_test,
+            "heldout_a_range": list(DEMO_HELDOUT_A_RANGE), "n_heldout": n_heldout}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return paths
 
@@ -305,9 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--n-train", type=int, default=None)
     demo.add_argument("--n-test", type=int, default=DEMO_N_TEST)
+    demo.add_argument("--n-heldout", type=int, default=DEMO_N_HELDOUT)
     args = parser.parse_args(argv)
     try:
-        paths = make_demo_task(args.out, seed=args.seed, n_train=args.n_train, n_test=args.n_test)
+        paths = make_demo_task(args.out, seed=args.seed, n_train=args.n_train, n_test=args.n_test,
+                               n_heldout=args.n_heldout)
     except QerlError as exc:
         print(f"error: {exc}")
         return 2

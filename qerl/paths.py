@@ -6,7 +6,9 @@
     results/<experiment>/merged/             stage 3 output (merge.json inside)
     results/<experiment>/eval.json           stage 4 output; eval_records/ beside it holds per-problem JSONL
     results/<experiment>/runs/<stage>.json   the MLflow run id of each stage (the link the next stage reads)
+    results/<experiment>/report/             accuracies and training curves for `snakemake --report` (qerl.report)
     results/tables/                          the paper's tables and training curves (runs/tables.json)
+    results/ablations/<name>/                an ablation's curves.png, table1.md, ablation.json (runs/ablation.json)
     results/bench/<experiment>.json          optional Table 3 inputs (speed, size)
     results/mlflow.db, results/mlartifacts/  the default MLflow store
     logs/<experiment>/<stage>.log            each job's output (and <stage>.benchmark.tsv: its time and memory)
@@ -21,7 +23,7 @@ from pathlib import Path
 
 STAGES = ("quantize", "train", "merge", "evaluate")
 # Folders of results/ that are not experiments: an experiment of that name would share them.
-RESERVED_NAMES = frozenset({"tables", "bench", "mlartifacts"})
+RESERVED_NAMES = frozenset({"tables", "bench", "mlartifacts", "ablations"})
 EVAL_RECORDS = "eval_records"
 LOGS = Path("logs")
 
@@ -72,6 +74,9 @@ class Layout:
     def metrics_csv(self, experiment: str) -> Path:
         return self.adapter(experiment) / "metrics.csv"
 
+    def report(self, experiment: str) -> Path:
+        return self.experiment(experiment) / "report"
+
     def run_file(self, experiment: str, stage: str) -> Path:
         return self.experiment(experiment) / "runs" / f"{stage}.json"
 
@@ -80,6 +85,9 @@ class Layout:
 
     def tables_run_file(self) -> Path:
         return self.tables() / "runs" / "tables.json"
+
+    def ablation(self, name: str) -> Path:
+        return self.results / "ablations" / name
 
     def bench_json(self, experiment: str) -> Path:
         return self.results / "bench" / f"{experiment}.json"

@@ -226,6 +226,20 @@ def test_demo_task_is_deterministic_disjoint_and_correct(tmp_path):
         data.make_demo_task(tmp_path / "d", n_train=400, n_test=100)
 
 
+def test_demo_heldout_split_has_larger_operands_only(tmp_path):
+    a = data.make_demo_task(tmp_path / "demo_task", seed=0)
+    assert a["heldout"].read_text() == data.make_demo_task(tmp_path / "b", seed=0)["heldout"].read_text()
+    heldout = data.load_records(a["heldout"])
+    assert len(heldout) == data.DEMO_N_HELDOUT == len({r["question"] for r in heldout})
+    for rec in heldout:
+        x, y = (int(t) for t in rec["question"].removeprefix("What is ").removesuffix("?").split(" - "))
+        assert 30 <= x <= 99 and 0 <= y <= x and int(rec["answer"]) == x - y
+    spec, recs = benchmarks.load_benchmark("demo_large", data_dir=tmp_path)
+    assert spec.template == "answer_line" and recs == heldout
+    with pytest.raises(QerlError, match="n_heldout"):
+        data.make_demo_task(tmp_path / "c", n_heldout=0)
+
+
 def test_demo_cli(tmp_path):
     assert data.main(["demo", "--out", str(tmp_path / "demo")]) == 0
     assert (tmp_path / "demo" / "train.jsonl").exists() and (tmp_path / "demo" / "meta.json").exists()
@@ -242,7 +256,7 @@ def test_benchmarks_resolve_local_hub_and_errors(data_dir, monkeypatch, tmp_path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(QerlError, match="aime25.*offline"):
         benchmarks.resolve_benchmark("aime25", data_dir=data_dir)
-    with pytest.raises(QerlError, match="valid names: gsm8k, math500, aime24, aime25, amc23, demo"):
+    with pytest.raises(QerlError, match="valid names: gsm8k, math500, aime24, aime25, amc23, demo, demo_large"):
         benchmarks.resolve_benchmark("mmlu")
     with pytest.raises(QerlError, match="local only"):
         benchmarks.resolve_benchmark("demo", data_dir=tmp_path)

@@ -8,13 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+from qerl.ablation import expand_ablations, quantize_sources, render_spec
 from qerl.config import parse_config, section_json
 from qerl.errors import QerlError
 from qerl import paths
 from qerl.paths import Layout
 
 try:
-    CFG = parse_config(config, where="config")
+    # each ablation run becomes an ordinary experiment, so the stage rules below build it like any other
+    CFG = expand_ablations(parse_config(config, where="config"))
 except QerlError as err:
     sys.stderr.write(f"config error: {err}\n")
     sys.exit(1)
@@ -46,6 +48,20 @@ def exp(wildcards):
 
 def quantized_dir(experiment):
     return str(LAYOUT.quantized(experiment))
+
+
+# ablation runs that train on another run's quantized checkpoint (same model and quantize section)
+QUANTIZED_FROM = quantize_sources(CFG)
+
+
+def quantized_input(wildcards):
+    """The quantized checkpoint an experiment trains on: its own, or the one it shares (QUANTIZED_FROM)."""
+    return quantized_dir(QUANTIZED_FROM.get(wildcards.experiment, wildcards.experiment))
+
+
+def quantize_run_input(wildcards):
+    source = QUANTIZED_FROM.get(wildcards.experiment, wildcards.experiment)
+    return str(LAYOUT.run_file(source, "quantize"))
 
 
 def adapter_dir(experiment):

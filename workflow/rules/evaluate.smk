@@ -1,7 +1,7 @@
 rule evaluate:
     input:
         merged=merged_dir("{experiment}"),
-        quantized=quantized_dir("{experiment}"),
+        quantized=quantized_input,
         base=model_input,
         upstream=run_file("merge"),
         data=data_inputs,

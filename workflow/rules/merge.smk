@@ -1,6 +1,6 @@
 rule merge:
     input:
-        base=quantized_dir("{experiment}"),
+        base=quantized_input,
         adapter=adapter_dir("{experiment}"),
         upstream=run_file("train"),
     output:

@@ -31,6 +31,7 @@ rule demo_task:
     output:
         train="resources/demo_task/train.jsonl",
         test="resources/demo_task/test.jsonl",
+        heldout="resources/demo_task/heldout.jsonl",
     log:
         str(paths.LOGS / "resources" / "demo_task.log"),
     resources:

@@ -10,8 +10,8 @@ def train_launch(wildcards):
 
 rule train:
     input:
-        model=quantized_dir("{experiment}"),
-        upstream=run_file("quantize"),
+        model=quantized_input,
+        upstream=quantize_run_input,
         data=data_inputs,
     output:
         adapter=directory(adapter_dir("{experiment}")),
