@@ -5,7 +5,9 @@
                              lora=LoraSpec(r=32, alpha=64), train_norms=False, gradient_checkpointing=True)
 
 Modes (the paper's table rows): qlora_fp4 = NVFP4/MXFP4 base kept packed (qerl.quant) + LoRA; lora = dense base +
-LoRA; qlora_nf4 = bitsandbytes NF4 base + LoRA (QLoRA, CUDA only); full = every parameter trainable.
+LoRA; qlora_nf4 = bitsandbytes NF4 base (an NF4 checkpoint from the quantize stage, or a dense one quantized
+while loading) + peft's LoRA for bitsandbytes layers (QLoRA; CUDA, or CPU with bitsandbytes >= 0.47); full =
+every parameter trainable.
 With train_norms the RMSNorm scales train too (they are what AQN perturbs).
 """
 from __future__ import annotations
@@ -67,6 +69,8 @@ def _load_base(model_path: Path, mode: str, dtype: torch.dtype, device) -> nn.Mo
     from qerl.quant.loader import is_quantized_checkpoint, load_quantized_model
 
     quantized = is_quantized_checkpoint(model_path)
+    if mode == "qlora_nf4":
+        return _load_nf4(model_path, dtype, device, quantized)
     if mode == "qlora_fp4":
         if not quantized:
             raise QerlError(f"mode qlora_fp4: {model_path} has no quantization_config; run the quantize stage "
@@ -74,25 +78,26 @@ def _load_base(model_path: Path, mode: str, dtype: torch.dtype, device) -> nn.Mo
         return load_quantized_model(model_path, dtype=dtype, device=device)
     if quantized:
         raise QerlError(f"mode {mode}: {model_path} is a quantized checkpoint; use the dense (bf16) model")
-    if mode == "qlora_nf4":
-        return _load_nf4(model_path, dtype, device)
     return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device)
 
 
-def _load_nf4(model_path: Path, dtype: torch.dtype, device) -> nn.Module:
-    """QLoRA's base: bitsandbytes NF4 with double quantization, computing in dtype."""
-    if not torch.cuda.is_available() or torch.device(device).type != "cuda":
-        raise QerlError(f"mode qlora_nf4: bitsandbytes NF4 needs a CUDA device (got device={device!r})")
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as err:
-        raise QerlError("mode qlora_nf4: bitsandbytes is not installed (pip install bitsandbytes)") from err
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+def _load_nf4(model_path: Path, dtype: torch.dtype, device, quantized: bool) -> nn.Module:
+    """QLoRA's base: bitsandbytes NF4 with double quantization, computing in dtype; an NF4 checkpoint as saved
+    by the quantize stage (scheme nf4), or a dense one quantized as it loads."""
+    from transformers import AutoModelForCausalLM
 
-    cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                             bnb_4bit_compute_dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(str(model_path), quantization_config=cfg, dtype=dtype,
-                                                device_map={"": torch.device(device)})
+    from qerl.hub import read_json
+    from qerl.quant.nf4 import is_nf4_checkpoint, nf4_config, prepare_nf4_layers, require_nf4
+
+    require_nf4(device, "mode qlora_nf4")
+    if quantized and not is_nf4_checkpoint(read_json(model_path / "config.json").get("quantization_config")):
+        raise QerlError(f"mode qlora_nf4: {model_path} is quantized, but not with bitsandbytes NF4; use the dense "
+                        f"model or the quantize stage's output of scheme nf4")
+    quantize = {} if quantized else {"quantization_config": nf4_config(dtype)}  # a saved one is read as it is
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, device_map={"": torch.device(device)},
+                                                 **quantize)
+    prepare_nf4_layers(model, dtype)
+    return model
 
 
 def _norm_parameters(model: nn.Module):

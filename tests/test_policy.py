@@ -74,8 +74,6 @@ def test_mode_and_checkpoint_mismatches_are_one_line_errors(tiny_model_dir, nvfp
         (dict(model_path=tiny_model_dir, mode="lora"), "needs a LoraSpec"),
         (dict(model_path=tiny_model_dir, mode="full", lora=spec), "leave lora unset"),
     ]
-    if not torch.cuda.is_available():
-        cases.append((dict(model_path=tiny_model_dir, mode="qlora_nf4", lora=spec), "needs a CUDA device"))
     for kwargs, match in cases:
         path = kwargs.pop("model_path")
         with pytest.raises(QerlError, match=match) as err:

@@ -4,7 +4,8 @@
     report = quantize_checkpoint("Qwen/Qwen2.5-7B-Instruct", "results/exp/quantized", "nvfp4")
 
 Schemes: nvfp4 (NVFP4A16, data-free round-to-nearest), nvfp4-awq (AWQ smoothing calibrated on the given texts,
-then NVFP4A16), mxfp4 (MXFP4A16), bf16 (plain bf16 copy, the baseline), nf4 (bitsandbytes 4-bit, CUDA only).
+then NVFP4A16), mxfp4 (MXFP4A16), bf16 (plain bf16 copy, the baseline), nf4 (bitsandbytes NF4, QLoRA's;
+qerl.quant.nf4: CUDA, or CPU with bitsandbytes >= 0.47).
 The returned report holds the paper's "model size" numbers (bytes on disk by tensor kind vs bf16) and the
 relative weight error ||W - deq(Q(W))|| / ||W|| per quantized layer (W after AWQ smoothing for nvfp4-awq, since
 smoothing is exact and folded into the preceding norm).
@@ -132,34 +133,32 @@ def _save_bf16(model_path, out_dir: Path) -> dict:
 
 
 def _save_nf4(model_path, out_dir: Path) -> dict:
-    """bitsandbytes NF4 (the QLoRA baseline); its kernels need CUDA."""
-    if not torch.cuda.is_available():
-        raise QerlError("scheme nf4: bitsandbytes NF4 needs a CUDA GPU (none found); use nvfp4 on CPU")
-    try:
-        import bitsandbytes as bnb
-    except ImportError as err:
-        raise QerlError("scheme nf4: bitsandbytes is not installed (pip install bitsandbytes)") from err
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    """bitsandbytes NF4 with double quantization (the QLoRA baseline), quantized on the GPU if there is one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from qerl.quant.nf4 import nf4_config, require_nf4
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bnb = require_nf4(device, "scheme nf4")
     source = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.bfloat16)
-    dense = {n: m.weight.detach().cpu() for n, m in source.named_modules()
+    dense = {n: m.weight.detach().float() for n, m in source.named_modules()
              if isinstance(m, nn.Linear) and n != "lm_head"}
     del source
-    bnb_cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                 bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True)
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), quantization_config=bnb_cfg, device_map="cuda")
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), quantization_config=nf4_config(torch.bfloat16),
+                                                 dtype=torch.bfloat16, device_map={"": device})
     errors = {}
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit) and name in dense:
-            deq = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).cpu()
+            deq = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float().cpu()
             errors[name] = _rel_error(dense[name], deq)
     model.save_pretrained(str(out_dir))
     AutoTokenizer.from_pretrained(str(model_path)).save_pretrained(str(out_dir))
     return errors
 
 
-def _tensor_kind(name: str) -> str:
-    if name.endswith("weight_packed"):
+def _tensor_kind(name: str, dtype: str = "") -> str:
+    # bitsandbytes keeps the packed NF4 codes under the layer's plain ".weight" name, as bytes
+    if name.endswith("weight_packed") or (dtype == "U8" and name.endswith(".weight")):
         return "packed_weights"
     if name.endswith(_SCALE_SUFFIXES) or name.endswith((".absmax", ".quant_map", ".nested_absmax",
                                                         ".nested_quant_map", ".quant_state.bitsandbytes__nf4")):
@@ -170,7 +169,7 @@ def _tensor_kind(name: str) -> str:
 
 
 def _stored_tensors(path: Path):
-    """(name, numel, bytes) of every tensor in a directory's safetensors files, read from the headers only."""
+    """(name, numel, bytes, safetensors dtype) of every tensor in a directory's safetensors files, read from the headers only."""
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -183,7 +182,7 @@ def _stored_tensors(path: Path):
                 numel = 1
                 for d in sl.get_shape():
                     numel *= d
-                yield key, numel, numel * _DTYPE_BYTES[sl.get_dtype()]
+                yield key, numel, numel * _DTYPE_BYTES[sl.get_dtype()], sl.get_dtype()
 
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
@@ -193,10 +192,10 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2"
 def size_report(out_dir: Path, model_path: Path | str) -> dict:
     """Bytes of the saved tensors by kind, and bytes the source model would take in bf16 (its tensor count x 2)."""
     by_kind = {"packed_weights": 0, "scales": 0, "other": 0}
-    for name, _, nbytes in _stored_tensors(out_dir):
-        by_kind[_tensor_kind(name)] += nbytes
+    for name, _, nbytes, dtype in _stored_tensors(out_dir):
+        by_kind[_tensor_kind(name, dtype)] += nbytes
     total = sum(by_kind.values())
-    bf16 = 2 * sum(numel for _, numel, _ in _stored_tensors(Path(model_path)))
+    bf16 = 2 * sum(numel for _, numel, _, _ in _stored_tensors(Path(model_path)))
     files = sum(f.stat().st_size for f in Path(out_dir).glob("*.safetensors"))
     # the quantized Linears alone: 2 weights per packed byte, vs 2 bytes per weight in bf16
     linear_bf16 = 4 * by_kind["packed_weights"]
