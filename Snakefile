@@ -35,11 +35,13 @@ include: "workflow/rules/merge.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/tables.smk"
 include: "workflow/rules/ablation.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
     input:
         eval_json(CFG.default_target),
+        report_files(CFG.default_target),
     default_target: True
 
 

@@ -20,6 +20,7 @@ def test_the_layout_under_any_results_dir():
     assert lay.eval_json("e1") == exp / "eval.json" and lay.eval_records("e1") == exp / "eval_records"
     assert [lay.run_file("e1", s) for s in STAGES] == [exp / "runs" / f"{s}.json" for s in STAGES]
     assert lay.metrics_csv("e1") == exp / "adapter" / "metrics.csv"
+    assert lay.report("e1") == exp / "report"
     assert lay.tables() == Path("/data/res/tables") and lay.tables_run_file() == lay.tables() / "runs" / "tables.json"
     assert lay.bench_json("e1") == Path("/data/res/bench/e1.json")
     assert (lay.mlflow_db(), lay.mlartifacts()) == (Path("/data/res/mlflow.db"), Path("/data/res/mlartifacts"))

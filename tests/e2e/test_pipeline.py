@@ -140,6 +140,36 @@ def test_one_mlflow_run_per_stage_with_params_metrics_artifacts(pipeline, monkey
     assert client.get_experiment_by_name("qerl") is None  # nothing went to the default experiment
 
 
+def report_results(html: str) -> dict:
+    """The results a Snakemake report embeds (path -> name, mime type, caption, labels, data URI)."""
+    import re
+
+    return json.loads(re.search(r"var results = (\{.*\});\n", html).group(1))
+
+
+def test_the_report_holds_the_accuracies_and_the_training_curves(pipeline):
+    import base64
+
+    from qerl.evaluation import load_eval_json
+
+    proc = snakemake(pipeline, "--report", "report.html")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = report_results((pipeline / "report.html").read_text())
+    by_name = {r["name"]: r for r in results.values()}
+    table = by_name["accuracy.html"]
+    assert table["mime_type"] == "text/html" and table["labels"] == {"experiment": "tiny", "figure": "table"}
+    page = base64.b64decode(table["data_uri"].split(",", 1)[1]).decode()
+    for res in load_eval_json(pipeline / "results" / "tiny" / "eval.json")["benchmarks"].values():
+        low, high = res["ci95"]
+        assert f"<b>{100 * res['accuracy']:.1f}</b>" in page and f"[{100 * low:.1f}, {100 * high:.1f}]" in page
+    assert by_name["accuracy.png"]["mime_type"] == "image/png"
+    curves = {r["labels"]["curve"]: r for r in results.values() if "curve" in (r["labels"] or {})}
+    assert {"reward", "entropy", "loss", "aqn_sigma"} <= set(curves), sorted(curves)
+    reward = curves["reward"]
+    assert reward["mime_type"] == "image/png" and ";base64,iVBOR" in reward["data_uri"]  # PNG magic
+    assert "Training curve <strong>reward</strong> of experiment <strong>tiny</strong>" in reward["caption"]
+
+
 def test_rerun_is_a_noop(pipeline):
     proc = snakemake(pipeline, "-n")
     assert proc.returncode == 0
