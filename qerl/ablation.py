@@ -150,6 +150,11 @@ def band(curves: list[list[float]]) -> tuple[list[float], list[float], list[floa
     return ([sum(col) / len(col) for col in columns], [min(col) for col in columns], [max(col) for col in columns])
 
 
+def finished(method: dict) -> list[dict]:
+    """The runs of a method that trained and were evaluated (a render by hand may come before the last run)."""
+    return [run for run in method["runs"].values() if Path(run["metrics"]).is_file() and Path(run["eval"]).is_file()]
+
+
 def plot_curves(spec: dict, out_png: str | Path) -> Path:
     import matplotlib
 
@@ -159,7 +164,9 @@ def plot_curves(spec: dict, out_png: str | Path) -> Path:
     window = spec["smooth_steps"]
     fig, axes = plt.subplots(1, len(CURVES), figsize=(6 * len(CURVES), 4))
     for method in spec["methods"].values():
-        runs = [read_curves(run["metrics"]) for run in method["runs"].values()]
+        runs = [read_curves(run["metrics"]) for run in finished(method)]
+        if not runs:
+            continue
         steps = runs[0]["step"][:min(len(r["step"]) for r in runs)]
         for ax, (key, _) in zip(axes, CURVES):
             mean, low, high = band([moving_average(r[key], window) for r in runs])
@@ -209,8 +216,11 @@ def summarise(spec: dict) -> dict:
 
     methods, bases, benchmarks = {}, {}, []
     for key, method in spec["methods"].items():
-        docs = [load_eval_json(run["eval"]) for run in method["runs"].values()]
-        curves = [read_curves(run["metrics"]) for run in method["runs"].values()]
+        runs = finished(method)
+        if not runs:
+            continue
+        docs = [load_eval_json(run["eval"]) for run in runs]
+        curves = [read_curves(run["metrics"]) for run in runs]
         for doc in docs:
             for result in doc["benchmarks"].values():
                 if result["benchmark"] not in benchmarks:
@@ -219,7 +229,8 @@ def summarise(spec: dict) -> dict:
                     bases.setdefault(result["variant"], {})[result["benchmark"]] = result
         per_bench = {b: method_summary([_greedy(d, b, "trained") for d in docs]) for b in benchmarks
                      if all(_greedy(d, b, "trained") for d in docs)}
-        methods[key] = {"label": method["label"], "benchmarks": per_bench,
+        methods[key] = {"label": method["label"], "benchmarks": per_bench, "seeds_finished": len(runs),
+                        "seeds_configured": len(method["runs"]),
                         "final_reward": [_tail_mean(c["reward"], spec["smooth_steps"]) for c in curves],
                         "mean_entropy": [_tail_mean(c["entropy"], len(c["entropy"])) for c in curves]}
     return {"name": spec["name"], "base": spec["base"], "benchmarks": benchmarks, "methods": methods,
@@ -255,8 +266,11 @@ def table_markdown(summary: dict, smooth_steps: int) -> str:
         rows.append(cells + ["-"] * (len(header) - len(cells)))
     n = {b: next((m["benchmarks"][b]["n_problems"] for m in summary["methods"].values() if b in m["benchmarks"]),
                  "?") for b in benches}
+    partial = [f"{m['label']} {m['seeds_finished']} of {m['seeds_configured']}" for m in summary["methods"].values()
+               if m["seeds_finished"] < m["seeds_configured"]]
     intro = (f"# {summary['name']}: greedy accuracy per method (base experiment {summary['base']})\n\n"
-             "Mean over seeds; the 95% interval is Wilson's over the seeds' pooled problems (the uncertainty of the "
+             + (f"**Partial: seeds finished {', '.join(partial)}.** " if partial else "")
+             + "Mean over seeds; the 95% interval is Wilson's over the seeds' pooled problems (the uncertainty of the "
              "items, not of the seeds: the per-seed column shows that). Problems per seed: "
              + ", ".join(f"{b} {k}" for b, k in n.items()) + ". Reward and entropy are per seed.\n\n")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
