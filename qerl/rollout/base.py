@@ -1,7 +1,8 @@
 """The rollout contract shared by every engine: sampling knobs in, token ids + log-probs out.
 
-The trainer only ever talks to `RolloutEngine.generate`, so the torch engine (same modules as the
-trainer, CPU or GPU) and the vLLM engine (GPU clusters) are interchangeable via `make_engine`:
+The trainer only ever talks to `RolloutEngine.policy_rollout` (the current policy under a rollout's AQN noise,
+then `generate`) and `sleep`, so the torch and paged engines (the very modules being trained, CPU or GPU) and the
+vLLM engine (its own copy of the weights) are interchangeable via `make_engine`:
 
     engine = make_engine("torch", model, tokenizer)
     out = engine.generate(prompt_ids, n=8, sampling=SamplingParams(temperature=1.0, max_tokens=256))
@@ -104,6 +105,19 @@ class RolloutEngine(ABC):
     def generate(self, prompt_ids: list[list[int]], n: int = 1,
                  sampling: SamplingParams | None = None) -> RolloutOutput:
         """Sample n completions per prompt; see RolloutOutput for the row layout."""
+
+    def policy_rollout(self, model, prompt_ids: list[list[int]], n: int, sampling: SamplingParams | None,
+                       sigma: float = 0.0, generator=None) -> tuple[RolloutOutput, dict[str, float]]:
+        """generate() from `model`'s current weights with this rollout's AQN noise (sigma, drawn from `generator`:
+        the same vector whichever engine applies it); returns the output and the noise actually applied
+        (aqn/applied_rms, aqn/changed_fraction). This default is for engines that run the very modules being
+        trained: the noise goes onto the RMSNorm scales in place and the clean values come back after. An engine
+        holding its own copy of the weights overrides it to push the adapter and the noise first."""
+        from qerl.aqn import aqn_noise
+
+        with aqn_noise(model, sigma, generator) as noise:
+            out = self.generate(prompt_ids, n=n, sampling=sampling)
+        return out, {"aqn/applied_rms": noise.applied_rms, "aqn/changed_fraction": noise.changed_fraction}
 
     def sleep(self) -> None:
         """Give memory the update needs back after a rollout (a KV pool, vLLM's weights); generate() takes it again.

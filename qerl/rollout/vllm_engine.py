@@ -141,6 +141,16 @@ class VLLMEngine(RolloutEngine):
         self.noise_stats: dict[str, float] = {"aqn/applied_rms": 0.0, "aqn/changed_fraction": 0.0}
 
     # ------------------------------------------------------------------------------- policy sync
+    def policy_rollout(self, model, prompt_ids, n, sampling, sigma=0.0, generator=None):
+        """vLLM holds its own weights: push the model's adapter and this rollout's noise vector (drawn as the
+        in-place engines draw it, qerl.aqn.sample_noise over rmsnorm_noise_targets), then generate."""
+        from qerl.aqn import rmsnorm_noise_targets, sample_noise
+
+        targets = rmsnorm_noise_targets(model) if sigma > 0 else []
+        vecs = sample_noise({name: p.shape for name, p in targets}, sigma, generator) if sigma > 0 else None
+        noise_stats = self.update_policy(model, vecs)
+        return self.generate(prompt_ids, n=n, sampling=sampling), noise_stats
+
     def update_policy(self, model, noise: dict | None = None) -> dict[str, float]:
         """Push the training model's current LoRA adapter (new adapter id) and this rollout's AQN noise to vLLM.
 
