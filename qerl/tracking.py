@@ -7,7 +7,9 @@ MLflow experiment so `mlflow.search_runs(filter_string="tags.`qerl.experiment` =
 Default store: sqlite:///<results>/mlflow.db with artifacts under <results>/mlartifacts; the config's
 mlflow.tracking_uri (each stage's --tracking-uri) replaces it, and MLFLOW_TRACKING_URI (e.g. a shared
 `mlflow server`) overrides both. The MLflow experiment is the config's mlflow.experiment_name (--mlflow-experiment),
-created as a "Machine learning" experiment so the MLflow UI opens on its runs rather than its GenAI view.
+tagged as a model-training experiment. MLflow 3.17's UI ignores that tag: it opens every experiment in its GenAI
+view ("No data" for runs) unless the link says `?workflowType=machine_learning` (or the browser kept the "Model
+training" toggle), so `init` prints that link for the store's own experiment id (`experiment_link`).
 Each stage writes `<results>/<experiment>/runs/<stage>.json` ({run_id, tracking_uri, experiment_id}) next to
 its output; the next stage reads it to link the runs.
 
@@ -44,8 +46,9 @@ from qerl.io import atomic_file, atomic_write_text, owner_tag, process_alive
 from qerl.paths import Layout
 
 EXPERIMENT_NAME = "qerl"
-# The MLflow UI (3.x) shows an experiment by its kind; without this tag it opens the GenAI view ("No data").
+# The experiment's kind for MLflow clients and UIs that read it; 3.17's UI reads the URL's workflowType instead.
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` listens by default
 
 
 def default_uri(results_dir: str | Path = "results") -> str:
@@ -254,9 +257,9 @@ def _experiment_id(mlflow, results_dir: Path, uri: str, name: str) -> str:
 
 
 def ensure_store(results_dir: str | Path = "results", mlflow_experiment: str = EXPERIMENT_NAME,
-                 uri: str | None = None) -> str:
-    """Create (and migrate) the tracking store and its MLflow experiment once; return the redacted URI.
-    uri: the config's mlflow.tracking_uri (MLFLOW_TRACKING_URI still wins)."""
+                 uri: str | None = None) -> tuple[str, str]:
+    """Create (and migrate) the tracking store and its MLflow experiment once; return the redacted URI and the
+    experiment's id. uri: the config's mlflow.tracking_uri (MLFLOW_TRACKING_URI still wins)."""
     import mlflow
 
     results_dir = Path(results_dir)
@@ -264,8 +267,17 @@ def ensure_store(results_dir: str | Path = "results", mlflow_experiment: str = E
     check_tracking_server(uri)
     with _secrets_masked(uri), _store_lock(uri):
         _open_store(mlflow, uri, results_dir)
-        _experiment_id(mlflow, results_dir, uri, mlflow_experiment)
-    return redact_uri(uri)
+        exp_id = _experiment_id(mlflow, results_dir, uri, mlflow_experiment)
+    return redact_uri(uri), exp_id
+
+
+def experiment_link(uri: str, experiment_id: str) -> str:
+    """How to browse the experiment's runs: the server's page for an http(s) store, else `mlflow ui` on the store
+    and its default address. The link names the workflow: MLflow 3.17's UI otherwise opens its GenAI view."""
+    page = f"#/experiments/{experiment_id}?workflowType=machine_learning"
+    if uri.startswith(("http://", "https://")):
+        return f"{redact_uri(uri).rstrip('/')}/{page}"
+    return f"mlflow ui --backend-store-uri {redact_uri(uri)}, then {UI_ADDRESS}/{page}"
 
 
 def _owner_tags() -> dict[str, str]:
@@ -408,7 +420,9 @@ def main(argv: list[str] | None = None) -> None:
     add_mlflow_args(init)
     args = p.parse_args(argv)
     try:
-        print(f"MLflow store ready: {ensure_store(args.results_dir, args.mlflow_experiment, args.tracking_uri)}")
+        uri, exp_id = ensure_store(args.results_dir, args.mlflow_experiment, args.tracking_uri)
+        print(f"MLflow store ready: {uri}\n  runs of experiment {args.mlflow_experiment!r}: "
+              f"{experiment_link(uri, exp_id)}")
     except QerlError as err:
         sys.stderr.write(f"error: {err}\n")
         sys.exit(2)

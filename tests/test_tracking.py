@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,8 +97,10 @@ def test_stage_runs_go_to_the_configured_store_and_experiment(tmp_path, monkeypa
     assert (tmp_path / "elsewhere" / "mlartifacts").is_dir()  # beside that store, not under results/
 
 
-def test_the_experiment_opens_as_machine_learning_in_the_mlflow_ui(tmp_path, monkeypatch):
-    """MLflow 3's UI picks an experiment's view by the mlflow.experimentKind tag (without it: the GenAI view)."""
+def test_init_prints_a_link_that_opens_the_runs_and_tags_the_kind(tmp_path, monkeypatch):
+    """MLflow 3.17's UI opens an experiment in its GenAI view unless the link says workflowType=machine_learning
+    (the mlflow.experimentKind tag, still set for clients that read it, no longer decides): init prints that link
+    with the store's own experiment id."""
     import mlflow
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -106,13 +109,34 @@ def test_the_experiment_opens_as_machine_learning_in_the_mlflow_ui(tmp_path, mon
                           env={k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri(tmp_path))
-    assert client.get_experiment_by_name("kinds").tags["mlflow.experimentKind"] == "custom_model_development"
+    exp = client.get_experiment_by_name("kinds")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    link = f"mlflow ui --backend-store-uri {tracking.tracking_uri(tmp_path)}, then http://127.0.0.1:5000/" \
+           f"#/experiments/{exp.experiment_id}?workflowType=machine_learning"
+    assert link in proc.stdout, proc.stdout
     old = client.create_experiment("untagged")  # a store made before the tag gets it on the next run
     client.create_experiment("chosen", tags={"mlflow.experimentKind": "finetuning"})
     for name in ("untagged", "chosen"):
         tracking.ensure_store(tmp_path, name)
     assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
     assert client.get_experiment_by_name("chosen").tags["mlflow.experimentKind"] == "finetuning"
+
+
+def test_a_server_link_is_its_own_page_without_the_password():
+    link = tracking.experiment_link("https://bob:s3cret@mlflow.example:5000/", "7")
+    assert link == "https://bob:***@mlflow.example:5000/#/experiments/7?workflowType=machine_learning"
+
+
+def test_the_installed_mlflow_ui_still_reads_the_workflow_type_from_the_link():
+    """The printed link relies on the UI's `workflowType` URL parameter: fail here, not in a user's browser, when an
+    MLflow upgrade renames it (then see whether the UI reads mlflow.experimentKind again)."""
+    import mlflow
+
+    bundle = Path(mlflow.__file__).parent / "server" / "js" / "build" / "static" / "js"
+    if not bundle.is_dir():
+        pytest.skip("this MLflow has no UI bundle (mlflow-skinny)")
+    text = "".join(p.read_text(errors="ignore") for p in bundle.glob("main.*.js"))
+    assert 'get("workflowType")' in text and '"machine_learning"' in text
 
 
 def test_default_store_does_not_leak_into_the_environment(tmp_path, monkeypatch):
