@@ -1,7 +1,8 @@
 """Kernel benchmark: NVFP4 Triton matmuls vs bf16 cuBLAS and a naive dequantize-then-matmul, per Qwen2.5 shape.
 
     python -m bench.kernels --out results/bench/kernels.json [--models 7B,14B,32B] [--rows 1,16,64,256,2048]
-    python -m bench.kernels --sweep --out results/bench/kernel_sweep.json   # tile configs on the 7B shapes
+    python -m bench.kernels --sweep --models 7B --out results/bench/kernel_sweep.json   # tile configs per shape
+    python -m bench.kernels --sweep --models 7B,7B-stacked --layers "q|k|v,down" --rows 256 --kinds fwd --jobs 12
 
 One run measures the device's own ceilings first (a large device-to-device copy; an 8192^3 bf16 matmul), then for
 every Linear shape and row count M: bf16 `torch.matmul`, the naive path (dequantize_nvfp4 to bf16, then matmul),
@@ -30,6 +31,9 @@ QWEN_LINEARS = {
     "7B": [("q/o", 3584, 3584, 2), ("k/v", 512, 3584, 2), ("gate/up", 18944, 3584, 2), ("down", 3584, 18944, 1)],
     "14B": [("q/o", 5120, 5120, 2), ("k/v", 1024, 5120, 2), ("gate/up", 13824, 5120, 2), ("down", 5120, 13824, 1)],
     "32B": [("q/o", 5120, 5120, 2), ("k/v", 1024, 5120, 2), ("gate/up", 27648, 5120, 2), ("down", 5120, 27648, 1)],
+    # the 7B layer as the engines run it (qerl.quant.grouped): q|k|v and gate|up stacked, one launch each
+    "7B-stacked": [("q|k|v", 4608, 3584, 1), ("o", 3584, 3584, 1), ("gate|up", 37888, 3584, 1),
+                   ("down", 3584, 18944, 1)],
 }
 ROTATE_BYTES = 4 * 50 * 2**20  # ~4x the L2 of an H100/H200
 
@@ -131,6 +135,9 @@ def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bo
     r["fp4_kernel"] = fp4_kernel(x, fp4[0][0], n, k)
     r["bwd_bf16_us"] = graph_time_us(lambda i: torch.matmul(g, wb[i]), nb)
     r["bwd_fp4_us"] = graph_time_us(lambda i: run_fp4_matmul_t(g, *fp4[i]), len(fp4))
+    if m >= 64:  # the dequantize + cuBLAS path, the many-row choice before the tiled kernels took these rows
+        r["dense_us"] = graph_time_us(lambda i: run_fp4_matmul(x, *fp4[i], kernel="dense"), len(fp4))
+        r["dense_speedup"] = r["bf16_us"] / r["dense_us"]
     if naive:
         r["naive_us"] = eager_time_us(
             lambda i: torch.matmul(x, dequantize_nvfp4(*fp4[i], dtype=torch.bfloat16).T), min(4, len(fp4)))
@@ -163,6 +170,9 @@ def layer_totals(rows: list[dict], models: list[str]) -> list[dict]:
                 continue
             tot = {key: sum(r[key] * r["per_layer"] for r in sel)
                    for key in ("bf16_us", "fp4_us", "bwd_bf16_us", "bwd_fp4_us", "fp4_floor_us")}
+            if all("dense_us" in r for r in sel):
+                tot["dense_us"] = sum(r["dense_us"] * r["per_layer"] for r in sel)
+                tot["dense_speedup"] = tot["bf16_us"] / tot["dense_us"]
             if all("naive_us" in r for r in sel):
                 tot["naive_us"] = sum(r["naive_us"] * r["per_layer"] for r in sel)
             out.append({"model": model, "M": m, **tot, "speedup": tot["bf16_us"] / tot["fp4_us"],
@@ -179,8 +189,8 @@ def markdown(result: dict) -> str:
     lines = [f"Device: {result['device']} ({result['date']}); measured copy {c['copy_GBps']:.0f} GB/s, "
              f"bf16 matmul {c['bf16_tflops']:.0f} TFLOP/s", "",
              "| model | layer | N x K | M | bf16 us | naive us | fp4 us (kernel) | fp4 floor us | x bf16 | x naive | "
-             "GB/s (% peak) | bwd bf16 us | bwd fp4 us | bwd x bf16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GB/s (% peak) | bwd bf16 us | bwd fp4 us | bwd x bf16 | dense x bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(
             f"| {r['model']} | {r['layer']} | {r['N']}x{r['K']} | {r['M']} | {r['bf16_us']:.1f} | "
@@ -188,13 +198,15 @@ def markdown(result: dict) -> str:
             f"{r['fp4_floor_us']:.1f} | "
             f"{r['speedup']:.2f} | {opt(r, 'speedup_vs_naive', '.1f')} | "
             f"{r['fp4_GBps']:.0f} ({r['fp4_pct_peak_bw']:.0f}%) | {r['bwd_bf16_us']:.1f} | {r['bwd_fp4_us']:.1f} | "
-            f"{r['bwd_speedup']:.2f} |")
-    lines += ["", "Per decoder layer (q, k, v, o, gate, up, down):", "",
-              "| model | M | bf16 us | naive us | fp4 us | fp4 floor us | x bf16 | bwd bf16 us | bwd fp4 us | bwd x |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+            f"{r['bwd_speedup']:.2f} | {opt(r, 'dense_speedup', '.2f')} |")
+    lines += ["", "Per decoder layer (7B: q, k, v, o, gate, up, down; 7B-stacked: q|k|v, o, gate|up, down); dense = "
+              "dequantize + cuBLAS:", "",
+              "| model | M | bf16 us | naive us | fp4 us | fp4 floor us | x bf16 | dense x bf16 | bwd bf16 us | "
+              "bwd fp4 us | bwd x |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in result["layer_totals"]:
         lines.append(f"| {t['model']} | {t['M']} | {t['bf16_us']:.0f} | {opt(t, 'naive_us', '.0f')} | "
-                     f"{t['fp4_us']:.0f} | {t['fp4_floor_us']:.0f} | {t['speedup']:.2f} | {t['bwd_bf16_us']:.0f} | "
+                     f"{t['fp4_us']:.0f} | {t['fp4_floor_us']:.0f} | {t['speedup']:.2f} | "
+                     f"{opt(t, 'dense_speedup', '.2f')} | {t['bwd_bf16_us']:.0f} | "
                      f"{t['bwd_fp4_us']:.0f} | {t['bwd_speedup']:.2f} |")
     return "\n".join(lines)
 
@@ -239,10 +251,13 @@ def _environment() -> dict:
 def run(models: list[str], rows_m: list[int], naive: bool, on_row=None) -> dict:
     """Every shape of `models` at every M; on_row(result so far) after each (a run stopped early keeps those)."""
     result = {**_environment(), "ceilings": measure_ceilings(), "rows": []}
+    timed: dict[tuple[int, int, int], dict] = {}  # a shape in two models is timed once
     for model in models:
         for seed, (layer, n, k, per_layer) in enumerate(QWEN_LINEARS[model]):
             for m in rows_m:
-                r = bench_shape(n, k, m, result["ceilings"], seed=seed, naive=naive)
+                if (n, k, m) not in timed:
+                    timed[n, k, m] = bench_shape(n, k, m, result["ceilings"], seed=seed, naive=naive)
+                r = timed[n, k, m]
                 result["rows"].append({"model": model, "layer": layer, "per_layer": per_layer, **r})
                 print(f"{model} {layer} M={m}: bf16 {r['bf16_us']:.1f} fp4 {r['fp4_us']:.1f} us "
                       f"(x{r['speedup']:.2f}); bwd x{r['bwd_speedup']:.2f}", flush=True)
@@ -252,31 +267,40 @@ def run(models: list[str], rows_m: list[int], naive: bool, on_row=None) -> dict:
     return result
 
 
-# Candidate tiles per row bucket: (bm, bn, bk, warps, stages, maxnreg[, swap_ab]); split-K: none, 2 and 6 programs
-# per SM. "dense" = chunked dequantize + cuBLAS (qerl.quant.kernels.triton_dequant). The swap_ab tiles (W as the MMA's A
-# operand) had 4.8-5.2 SASS instructions per weight against 5.8 for the few-row tile (sm_90 cubin, with the lookup-
-# table decode since replaced; the table-free decode takes that tile to 5.5); from 4 warps they run on Hopper's wgmma
-# with the dequantized W straight from registers (unswapped: W goes through smem). The first M <= 16 entry is the
+# Candidate tiles per row bucket: (bm, bn, bk, warps, stages, maxnreg[, swap_ab[, tma]]); split-K: none, 2 and 6
+# programs per SM up to 64 rows, none and one wave's worth above. "dense" = chunked dequantize + cuBLAS
+# (qerl.quant.kernels.triton_dequant). swap_ab (W as the MMA's A operand) runs on Hopper's wgmma with the dequantized W
+# straight from registers (unswapped: W goes through smem, and its wgmma waits for each step); tma: x tiles by a TMA
+# descriptor (without it the swapped many-row tiles needed ~230 registers a thread). The first M <= 16 entry is the
 # shipped default (forward_config), the second its 4-stage predecessor.
+_ST = (None, True, True)  # swapped + TMA: the sm_90+ many-row tiles (tiling.many_rows_config)
+# (256, 128, 64, 8, 3, swapped + TMA) gave wrong results (H200, Triton 3.6), so it is not swept
+_MANY_FWD = [(128, 64, 64, 4, 4, *_ST), (256, 64, 64, 4, 3, *_ST), (256, 64, 64, 4, 4, *_ST),
+             (128, 128, 64, 8, 3, *_ST), "dense"]
 SWEEP_FWD = {
     16: [(16, 32, 256, 4, 3, 128), (16, 32, 256, 4, 4, 128), (16, 64, 256, 4, 4, None), (16, 64, 128, 4, 4, None),
          (16, 128, 128, 4, 3, None), (16, 128, 128, 4, 4, None), (16, 128, 64, 4, 4, None), (16, 256, 64, 4, 4, None),
          (16, 256, 64, 8, 4, None),
          (16, 32, 256, 2, 4, None, True), (16, 32, 128, 2, 4, None, True), (16, 32, 128, 2, 6, None, True),
          (16, 64, 128, 4, 4, None, True), (16, 64, 256, 4, 3, None, True), (16, 128, 128, 4, 3, None, True)],
-    64: [(32, 64, 256, 4, 3, None), (64, 64, 128, 4, 4, None), (64, 128, 64, 4, 4, None), (64, 128, 64, 4, 3, None),
-         (64, 128, 128, 4, 3, None), (64, 256, 64, 8, 3, None), (64, 64, 64, 4, 4, None),
-         (64, 64, 64, 4, 4, None, True), (64, 64, 128, 4, 3, None, True), (64, 128, 64, 4, 3, None, True),
-         (64, 128, 64, 8, 3, None, True), (32, 64, 128, 4, 4, None, True)],
-    256: [(128, 128, 64, 8, 4, None), (64, 64, 128, 4, 4, None), "dense"],
-    2048: [(128, 128, 64, 8, 4, None), "dense"],
+    64: [(32, 64, 256, 4, 3, None), (64, 64, 64, 4, 4, None), (64, 64, 64, 4, 4, *_ST), (64, 64, 64, 4, 3, *_ST),
+         (64, 128, 64, 8, 3, *_ST)],
+    128: [(64, 64, 64, 4, 4, *_ST), (128, 64, 64, 4, 3, *_ST), (128, 64, 64, 4, 4, *_ST), (128, 128, 64, 8, 3, *_ST),
+          "dense"],
+    256: _MANY_FWD,
+    512: _MANY_FWD,
+    2048: _MANY_FWD,
 }
+_MANY_BWD = [(64, 128, 64, 4, 4, None), (128, 64, 128, 8, 4, None), (128, 128, 128, 8, 3, None),
+             (64, 64, 128, 4, 4, None), (128, 64, 64, 4, 4, None), (64, 128, 128, 4, 3, None), "dense"]
 SWEEP_BWD = {  # bn = reduction step over N, bk = output tile along K
     16: [(16, 128, 64, 4, 4, None), (16, 128, 128, 4, 4, None), (16, 256, 64, 8, 3, None), (16, 64, 64, 4, 4, None),
          "dense"],
     64: [(64, 128, 64, 4, 4, None), (64, 64, 128, 4, 4, None), (32, 128, 64, 4, 4, None), "dense"],
-    256: [(128, 64, 128, 8, 4, None), (64, 128, 64, 4, 4, None), "dense"],
-    2048: [(128, 64, 128, 8, 4, None), "dense"],
+    128: _MANY_BWD,
+    256: _MANY_BWD,
+    512: _MANY_BWD,
+    2048: [(128, 64, 128, 8, 4, None), (128, 128, 128, 8, 3, None), (128, 64, 256, 8, 3, None), "dense"],
 }
 
 
@@ -284,28 +308,29 @@ def _bucket(m: int) -> int:
     return next(b for b in sorted(SWEEP_FWD) if m <= b) if m <= max(SWEEP_FWD) else max(SWEEP_FWD)
 
 
-def _candidates(tf, kind, m, n, k):
+def _candidates(kind, m, n, k):
     """(label, kwargs) of every config to try for one shape."""
-    from qerl.quant.kernels.tiling import pick_split
+    from qerl.quant.kernels.tiling import KernelConfig, pick_split
 
     dev = torch.device("cuda")
     for cand in (SWEEP_FWD if kind == "fwd" else SWEEP_BWD)[_bucket(m)]:
         if cand == "dense":
             yield "dense", {"kernel": "dense"}
             continue
-        bm, bn, bk, warps, stages, maxnreg, *swap = cand
+        bm, bn, bk, warps, stages, maxnreg, *flags = cand
         tiles = math.ceil(m / bm) * (math.ceil(n / bn) if kind == "fwd" else k // bk)
         k_tiles = math.ceil(k / bk) if kind == "fwd" else math.ceil(n / bn)
-        splits = {1} if m > 64 else {1, pick_split(tiles, k_tiles, dev, waves=2),
-                                     pick_split(tiles, k_tiles, dev, waves=6)}
+        waves = (2, 6) if m <= 64 else (1,)
+        splits = {1} | {pick_split(tiles, k_tiles, dev, waves=w) for w in waves}
         for sp in sorted(splits):
-            cfg = tf.KernelConfig(bm, bn, bk, sp, warps, stages, 8, maxnreg, bool(swap and swap[0]))
-            label = list(cfg)[:6] + ([maxnreg] if maxnreg else []) + (["swap"] if cfg.swap_ab else [])
+            cfg = KernelConfig(bm, bn, bk, sp, warps, stages, 8, maxnreg, *map(bool, flags))
+            label = list(cfg)[:6] + ([maxnreg] if maxnreg else []) + (["swap"] if cfg.swap_ab else []) + (
+                ["tma"] if cfg.tma else [])
             yield str(label), {"config": cfg}
 
 
 def _try_config(kind, label, n, k, m, ref, call, copies) -> dict:
-    """Error vs the default output and time of one config; a config that fails to build is recorded."""
+    """Error vs the float64 result and time of one config; a config that fails to build is recorded."""
     row = {"kind": kind, "N": n, "K": k, "M": m, "config": label}
     try:
         row["err"] = ((call(0).double() - ref).norm() / ref.norm()).item()
@@ -315,18 +340,22 @@ def _try_config(kind, label, n, k, m, ref, call, copies) -> dict:
     return row
 
 
-def _sweep_one(tf, n, k, m, fp4, x, g, kinds=("fwd", "bwd")) -> list[dict]:
+def _sweep_one(n, k, m, fp4, x, g, kinds=("fwd", "bwd"), broken=frozenset()) -> list[dict]:
     from qerl.quant.dispatch import run_fp4_matmul, run_fp4_matmul_t
 
     out = []
-    ref = fp4_reference(x, *fp4[0])
-    ref_t = fp4_reference(g, *fp4[0], transposed=True)
-    for label, kw in _candidates(tf, "fwd", m, n, k) if "fwd" in kinds else ():
-        out.append(_try_config("fwd", label, n, k, m, ref, lambda i, kw=kw: run_fp4_matmul(
-            x, *fp4[i], **kw), len(fp4)))
-    for label, kw in _candidates(tf, "bwd", m, n, k) if "bwd" in kinds else ():
-        out.append(_try_config("bwd", label, n, k, m, ref_t, lambda i, kw=kw: run_fp4_matmul_t(
-            g, *fp4[i], **kw), len(fp4)))
+    for kind in kinds:
+        a = x if kind == "fwd" else g
+        run = run_fp4_matmul if kind == "fwd" else run_fp4_matmul_t
+        ref = fp4_reference(a, *fp4[0], transposed=kind == "bwd")
+        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(_copies(2 * n * k))]
+        bf16 = graph_time_us(lambda i: a @ (wb[i].T if kind == "fwd" else wb[i]), len(wb))
+        del wb
+        out.append({"kind": kind, "N": n, "K": k, "M": m, "config": "bf16", "us": bf16, "err": 0.0})
+        for label, kw in _candidates(kind, m, n, k):
+            if (kind, n, k, m, label) in broken:  # failed to compile in a worker: not retried here
+                continue
+            out.append(_try_config(kind, label, n, k, m, ref, lambda i, kw=kw: run(a, *fp4[i], **kw), len(fp4)))
     return out
 
 
@@ -337,23 +366,75 @@ def fp4_reference(a: torch.Tensor, weight_packed, weight_scale, weight_global_sc
     return a.double() @ (w if transposed else w.T)
 
 
-def sweep(rows_m: list[int], kinds=("fwd", "bwd")) -> list[dict]:
-    """Time every candidate config on the 7B shapes; prints the best per (kind, shape, M)."""
-    from qerl.quant.kernels import triton_fp4 as tf
+_WORKER_WEIGHTS: dict = {}
 
+
+def _compile_one(task):
+    """Run one config once in a worker process, which leaves its compiled kernel in Triton's on-disk cache."""
+    kind, n, k, m, label, kw = task
+    from qerl.quant.dispatch import run_fp4_matmul, run_fp4_matmul_t
+
+    try:
+        if (n, k) not in _WORKER_WEIGHTS:
+            _WORKER_WEIGHTS[n, k] = _fp4_weights(n, k, 1, 0)[0]
+        a = torch.randn(m, k if kind == "fwd" else n, device="cuda", dtype=torch.bfloat16)
+        (run_fp4_matmul if kind == "fwd" else run_fp4_matmul_t)(a, *_WORKER_WEIGHTS[n, k], **kw)
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:
+        return (kind, n, k, m, label, str(exc).splitlines()[0][:200])
+
+
+def precompile(shapes, rows_m, kinds, jobs: int) -> set:
+    """Compile every candidate of the sweep in `jobs` processes first (Triton compiles one kernel at a time per
+    process); returns the (kind, n, k, m, label) that failed."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    tasks = [(kind, n, k, m, label, kw) for (n, k) in shapes for m in rows_m for kind in kinds
+             for label, kw in _candidates(kind, m, n, k)]
+    broken = set()
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+        for fut in [pool.submit(_compile_one, t) for t in tasks]:
+            try:
+                err = fut.result()
+            except Exception as exc:  # a worker died: the timing loop compiles what is left itself
+                print(f"precompile stopped: {exc!r}", flush=True)
+                break
+            if err:
+                broken.add(err[:5])
+                print(f"compile failed: {err}", flush=True)
+    print(f"precompiled {len(tasks)} configs, {len(broken)} failed", flush=True)
+    return broken
+
+
+def sweep(rows_m: list[int], kinds=("fwd", "bwd"), models=("7B",), layers=None, jobs: int = 0) -> list[dict]:
+    """Time every candidate config on the models' distinct shapes (optionally only `layers`); prints the best per
+    (kind, shape, M) with its ratio to bf16 cuBLAS."""
+    shapes = {}
+    for model in models:
+        for layer, n, k, _ in QWEN_LINEARS[model]:
+            if layers is None or layer in layers:
+                shapes.setdefault((n, k), layer)
+    broken = precompile(list(shapes), rows_m, kinds, jobs) if jobs > 1 else set()
     results = []
-    for seed, (layer, n, k, _) in enumerate(QWEN_LINEARS["7B"]):
+    for seed, ((n, k), layer) in enumerate(shapes.items()):
         fp4 = _fp4_weights(n, k, _copies(n * k // 2 + n * k // 16), seed)
         for m in rows_m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            res = _sweep_one(tf, n, k, m, fp4, x, g, kinds)
+            res = _sweep_one(n, k, m, fp4, x, g, kinds, broken)
             for kind in kinds:
-                best = min((r for r in res if r["kind"] == kind), key=lambda r: r["us"])
-                print(f"sweep {kind} {layer} {n}x{k} M={m}: best {best['config']} {best['us']:.1f} us; all "
-                      + ", ".join(f"{r['config']}={r['us']:.1f}{'' if r['err'] <= 1e-2 else '!'}"
-                                  for r in res if r["kind"] == kind), flush=True)
+                mine = [r for r in res if r["kind"] == kind]
+                bf16 = next(r["us"] for r in mine if r["config"] == "bf16")
+                best = min((r for r in mine if r["config"] != "bf16" and r["err"] <= 1e-2), key=lambda r: r["us"],
+                           default={"config": "-", "us": float("inf")})
+                print(f"sweep {kind} {layer} {n}x{k} M={m}: bf16 {bf16:.1f}, best {best['config']} {best['us']:.1f} "
+                      f"us (x{bf16 / best['us']:.2f}); all " + ", ".join(
+                          f"{r['config']}={r['us']:.1f}{'' if r['err'] <= 1e-2 else '!'}"
+                          for r in mine if r["config"] != "bf16"), flush=True)
             results += res
+        del fp4
     return results
 
 
@@ -365,12 +446,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-naive", action="store_true", help="skip the (slow) dequantize-then-matmul baseline")
     p.add_argument("--sweep", action="store_true", help="time candidate tile configs instead (SWEEP_FWD / SWEEP_BWD)")
     p.add_argument("--kinds", default="fwd,bwd", help="--sweep: fwd (x @ W.T), bwd (grad_out @ W) or both")
+    p.add_argument("--layers", default=None, help="--sweep: only these layer names (comma-separated), e.g. down,o")
+    p.add_argument("--jobs", type=int, default=0, help="--sweep: compile the candidates in this many processes first")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA GPU")
     rows_m = [int(v) for v in a.rows.split(",")]
     if a.sweep:
-        result = {**_environment(), "sweep": sweep(rows_m, tuple(a.kinds.split(",")))}
+        layers = set(a.layers.split(",")) if a.layers else None
+        result = {**_environment(), "sweep": sweep(rows_m, tuple(a.kinds.split(",")), a.models.split(","), layers,
+                                                   a.jobs)}
     else:
         result = run(a.models.split(","), rows_m, naive=not a.no_naive, on_row=lambda part: write_json(a.out, part))
         print(markdown(result))

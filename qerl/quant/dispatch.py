@@ -26,12 +26,15 @@ from qerl.quant.kernels.device import auto_on_off, capability, device_index, pdl
 from qerl.quant.operands import check_operands, lora_adapter, segment_bounds
 from qerl.quant.reference import reference_fp4_lora_matmul, reference_fp4_matmul, reference_fp4_matmul_t
 
-__all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "KERNELS", "SMALL_MM_MAX_ROWS", "choose_kernel", "fp4_cuda_mode",
-           "fp4_lora_matmul", "fp4_matmul", "fp4_matmul_t", "pdl_mode", "run_fp4_matmul", "run_fp4_matmul_t",
-           "small_matmul"]
+__all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "KERNELS", "SMALL_MM_MAX_ROWS", "TMA_DENSE_MIN_ROWS", "choose_kernel",
+           "fp4_cuda_mode", "fp4_lora_matmul", "fp4_matmul", "fp4_matmul_t", "pdl_mode", "run_fp4_matmul",
+           "run_fp4_matmul_t", "small_matmul"]
 
 AUTO_ROWS = 8  # QERL_FP4_CUDA=auto: at 9-16 rows the two-tile CUDA kernel lost to Triton (BENCHMARKS.md)
-DENSE_MIN_ROWS = 128  # from here chunked dequantize + cuBLAS beats the fused kernels (compute bound; H200)
+DENSE_MIN_ROWS = 128  # grad_input, and forward before sm_90: from here dequantize + cuBLAS beats the fused kernels
+# forward on sm_90+ with bf16/fp16 x: the TMA tiles (kernels.tiling.many_rows_config) up to 128 rows; at 256 rows they
+# beat dequantize + cuBLAS on 7B gate/up by ~10% but lost on q/o and q|k|v (26 vs 22, 35 vs 27 us; H200)
+TMA_DENSE_MIN_ROWS = 129
 SMALL_MM_MAX_ROWS = 64  # small_matmul's Triton kernel: a LoRA A at decode (~2 cuBLAS kernels become one)
 SMALL_MM_MAX_N = 256
 KERNELS = ("reference", "cuda", "triton", "dense")
@@ -60,8 +63,12 @@ def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: 
     forward   | QERL_FP4_CUDA=auto (default): sm_90+, bf16 x, fits, and the      | 1 .. AUTO_ROWS (8)    | cuda
               | module builds (else one warning, then the rows below)            |                       |
     forward   | QERL_FP4_CUDA=1: bf16 x, fits (build errors raise)               | 1 .. MAX_ROWS (16)    | cuda
-    forward   | otherwise (QERL_FP4_CUDA=0, fp16/fp32 x, outside `fits`)         | < DENSE_MIN_ROWS (128)| triton
-    forward   |                                                                  | >= DENSE_MIN_ROWS     | dense
+    forward   | otherwise (QERL_FP4_CUDA=0, fp16/fp32 x, outside `fits`):        |                       |
+              | sm_90+ and bf16/fp16 x (TMA tiles from 33 rows)                  | < TMA_DENSE_MIN_ROWS  | triton
+              |                                                                  |   (129)               |
+              | sm_90+ and bf16/fp16 x                                           | >= TMA_DENSE_MIN_ROWS | dense
+              | sm_89, or fp32 x                                                 | < DENSE_MIN_ROWS (128)| triton
+              | sm_89, or fp32 x                                                 | >= DENSE_MIN_ROWS     | dense
     backward  | K % 64 == 0                                                      | < DENSE_MIN_ROWS      | triton
     backward  | K % 64 != 0 (the fused grad_input's tile)                        | any                   | dense
     backward  |                                                                  | >= DENSE_MIN_ROWS     | dense
@@ -70,9 +77,10 @@ def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: 
 
     "fits" (cuda_fp4.fits): K % 128, N and segment bounds % 16, 16-byte aligned rows. reference = plain torch
     (qerl.quant.reference; x @ w.T for small), cuda = kernels.cuda_fp4, triton = kernels.triton_fp4's fused kernels
-    (small_matmul for small), dense = kernels.triton_dequant (chunked dequantize + cuBLAS). M = 0 launches nothing.
-    A bad QERL_FP4_CUDA is a ValueError on every CUDA forward. Launches of the cuda and triton kernels also read
-    QERL_PDL (kernels.device.use_pdl: programmatic dependent launch, by default on sm_90+ inside CUDA-graph capture).
+    (tiles: kernels.tiling.forward_config / backward_config; small_matmul for small), dense =
+    kernels.triton_dequant (chunked dequantize + cuBLAS). M = 0 launches nothing. A bad QERL_FP4_CUDA is a
+    ValueError on every CUDA forward. Launches of the cuda and triton kernels also read QERL_PDL
+    (kernels.device.use_pdl: programmatic dependent launch, by default on sm_90+ inside CUDA-graph capture).
 
     triton, cuda_fits and cuda_builds may be callables, asked only when the rule reaches them, in that order."""
     if device_type != "cuda" or not _fact(triton):
@@ -86,9 +94,10 @@ def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: 
         return "reference"
     if op == "forward" and _cuda_takes(capability, rows, dtype, cuda_fits, cuda_builds, environ):
         return "cuda"
-    if rows >= DENSE_MIN_ROWS or (op == "backward" and not k_ok):
-        return "dense"
-    return "triton"
+    if op == "backward":
+        return "dense" if rows >= DENSE_MIN_ROWS or not k_ok else "triton"
+    tma_tiles = tuple(capability) >= (9, 0) and dtype in (torch.bfloat16, torch.float16)
+    return "dense" if rows >= (TMA_DENSE_MIN_ROWS if tma_tiles else DENSE_MIN_ROWS) else "triton"
 
 
 def _cuda_takes(capability, rows, dtype, cuda_fits, cuda_builds, environ) -> bool:

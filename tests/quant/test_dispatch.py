@@ -6,7 +6,7 @@ import torch
 
 from qerl.errors import QerlError
 from qerl.quant import dispatch
-from qerl.quant.dispatch import AUTO_ROWS, DENSE_MIN_ROWS, SMALL_MM_MAX_ROWS, choose_kernel
+from qerl.quant.dispatch import AUTO_ROWS, DENSE_MIN_ROWS, SMALL_MM_MAX_ROWS, TMA_DENSE_MIN_ROWS, choose_kernel
 from qerl.quant.format import quantize_nvfp4
 from qerl.quant.kernels.cuda_fp4 import MAX_ROWS
 from qerl.quant.reference import reference_fp4_matmul, reference_fp4_matmul_t
@@ -40,10 +40,17 @@ TABLE = [
     ("forward", "cuda", H100, 1, {"cuda_fits": False}, "1", "triton"),
     ("forward", "cuda", H100, 1, {"cuda_builds": False}, None, "triton"),  # auto: no compiler -> Triton
     ("forward", "cuda", H100, 1, {"cuda_builds": False}, "1", "cuda"),  # "1": the build error raises later
-    # Triton's fused kernel up to DENSE_MIN_ROWS - 1 rows, then dequantize + cuBLAS
+    # Triton's fused kernel; on sm_90+ with bf16/fp16 x its TMA tiles up to TMA_DENSE_MIN_ROWS - 1 rows,
+    # elsewhere up to DENSE_MIN_ROWS - 1; then dequantize + cuBLAS
     ("forward", "cuda", H100, 64, {}, None, "triton"),
-    ("forward", "cuda", H100, DENSE_MIN_ROWS - 1, {}, None, "triton"),
-    ("forward", "cuda", H100, DENSE_MIN_ROWS, {}, None, "dense"),
+    ("forward", "cuda", H100, 128, {}, None, "triton"),
+    ("forward", "cuda", H100, 128, {"dtype": FP16}, None, "triton"),
+    ("forward", "cuda", H100, TMA_DENSE_MIN_ROWS - 1, {}, None, "triton"),
+    ("forward", "cuda", H100, TMA_DENSE_MIN_ROWS, {}, None, "dense"),
+    ("forward", "cuda", H100, DENSE_MIN_ROWS - 1, {"dtype": FP32}, None, "triton"),
+    ("forward", "cuda", H100, DENSE_MIN_ROWS, {"dtype": FP32}, None, "dense"),
+    ("forward", "cuda", ADA, DENSE_MIN_ROWS - 1, {}, None, "triton"),
+    ("forward", "cuda", ADA, DENSE_MIN_ROWS, {}, None, "dense"),
     ("forward", "cuda", ADA, 4096, {"dtype": FP32}, "0", "dense"),
     ("backward", "cuda", H100, 1, {}, None, "triton"),
     ("backward", "cuda", H100, 1, {}, "1", "triton"),  # no CUDA kernel for grad_input

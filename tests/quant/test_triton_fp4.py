@@ -196,6 +196,33 @@ def test_swapped_operands_match_float64(tf, rows, bk, split):
     assert frob < 5e-3 and worst < 2e-2, f"rows {rows}: swapped vs default rel err {frob:.2e}, max {worst:.2e}"
 
 
+@pytest.mark.parametrize("rows", [40, 65, 128, 300])
+def test_many_row_tiles_match_float64(tf, rows):
+    """The sm_90+ tiles from 33 rows (W decoded as the wgmma A operand, x by TMA): stacked q|k|v with LoRA and bias,
+    rows that leave a partial tile, split-K, an x that TMA cannot address (the pointer loads), a partial K tile."""
+    from qerl.quant.kernels.tiling import many_rows_config
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA tiles need sm_90+")
+    sizes = (3584, 512, 512)
+    args, ref = _stacked_case(sizes, rows, seed=11)
+    cfg = many_rows_config(rows, sum(sizes), 3584, torch.device("cuda"))
+    assert cfg.swap_ab and cfg.tma and cfg == tf.forward_config(rows, sum(sizes), 3584, torch.device("cuda"))
+    x, rest = args[0], args[1:]
+    shifted = torch.empty(rows, 3584 + 8, device="cuda", dtype=torch.bfloat16)[:, 1:3585]  # 2-byte aligned rows
+    shifted.copy_(x)
+    for case, c, xx in (("default", cfg, x), ("split 3", cfg._replace(split=3), x), ("no TMA", cfg, shifted)):
+        out = run_fp4_matmul(xx, *rest, 0.5, segments=list(sizes), config=c)
+        frob, worst = _rel_err(out, ref)
+        assert frob < 5e-3 and worst < 2e-2, f"{case}, rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
+    n, k = 384, 1024 + 48  # K tail: masked weight bytes, TMA's zero fill for x
+    packed, scale, gs = _random_fp4(n, k, seed=rows)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    out = run_fp4_matmul(x, packed, scale, gs, config=many_rows_config(rows, n, k, torch.device("cuda")))
+    frob, worst = _rel_err(out, x.double() @ dequantize_nvfp4(packed, scale, gs, torch.float64).T)
+    assert frob < 5e-3 and worst < 2e-2, f"K tail, rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
+
+
 def test_lora_dispatch_on_cuda_equals_the_kernel(tf):
     from qerl.quant.dispatch import fp4_lora_matmul
 

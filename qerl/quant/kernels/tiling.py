@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from qerl.errors import QerlError
+from qerl.quant.kernels.device import device_index, hopper
 
 
 def target_programs(device: torch.device) -> int:
@@ -60,11 +61,16 @@ class KernelConfig(NamedTuple):
     group_m: int = 8
     maxnreg: int | None = None  # register cap per thread: more programs per SM, at the risk of spills
     swap_ab: bool = False  # forward: out.T = W @ x.T (see _fp4_mm_kernel)
+    tma: bool = False  # forward: x tiles by a TMA descriptor (sm_90+; see _fp4_mm_kernel's X_DESC)
 
 
-def forward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
+def forward_config(M: int, N: int, K: int, device: torch.device,
+                   dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
     """Fused-kernel tiles per M bucket, from `python -m bench.kernels --sweep` (H200, then H100): few rows are a
-    bandwidth problem (narrow tiles; split-K to fill every SM, more of it for long reductions)."""
+    bandwidth problem (narrow tiles; split-K to fill every SM, more of it for long reductions); from 33 rows on
+    sm_90+ `many_rows_config`."""
+    if M > 32 and dtype != torch.float32 and hopper(device_index(device)):
+        return many_rows_config(M, N, K, device)
     if M <= 16:
         # 3 stages: 7B down 27.4 -> 25.1 us, gate/up 25.3 -> 24.7, q|k|v 11.2 -> 10.9 at M = 16 against 4 (H100)
         bm, bn, bk, warps, stages, maxnreg = 16, 32, 256, 4, 3, 128
@@ -80,6 +86,20 @@ def forward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig
     tiles = math.ceil(M / bm) * math.ceil(N / bn)
     split = pick_split(tiles, math.ceil(K / bk), device, waves=6 if K >= 8192 else 2) if M <= 64 else 1
     return KernelConfig(bm, bn, bk, split, warps, stages, 8, maxnreg)
+
+
+def many_rows_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:
+    """sm_90+ tiles from 33 rows: W decoded in registers as the wgmma A operand (swap_ab, 64 weight rows), x by TMA
+    as B (bm rows = the wgmma N), so the async wgmma overlaps the next step's decode. 7B at M = 64 / 128 (H200, us,
+    from the previous tiles / dense): gate/up 51.8 -> 40.0 / 94.2 -> 50.1, down 46.8 -> 43.6 / 99.8 -> 63.3, q|k|v
+    21.4 -> 15.8 / 22.2 -> 22.6. 256-row tiles were faster at 256-1024 rows (gate/up at 256: 78 us) but are not
+    used: stacked q|k|v with bias + LoRA at 300 rows came back non-finite once (one weight alone was right)."""
+    bm, stages = (64, 3) if M <= 64 else (128, 4)
+    tiles = math.ceil(M / bm) * math.ceil(N / 64)
+    waves = (6 if K >= 8192 else 2) if M <= 64 else 1  # split-K only where the tiles leave SMs idle
+    split = pick_split(tiles, math.ceil(K / 64), device, waves=waves)
+    # bk 64: the group scales load as one int32 per row (kernels.triton_fp4._load_weight_tile)
+    return KernelConfig(bm, 64, 64, split, 4, stages, 8, None, True, True)
 
 
 def backward_config(M: int, N: int, K: int, device: torch.device) -> KernelConfig:

@@ -1,4 +1,5 @@
-"""Triton W4A16 kernels for NVFP4 weights: the fused kernels that `qerl.quant.dispatch` runs for few and mid rows.
+"""Triton W4A16 kernels for NVFP4 weights: the fused kernels that `qerl.quant.dispatch` runs for few and mid rows
+(up to 128 rows on sm_90+, where x tiles come by TMA and W is the wgmma A operand: kernels.tiling.many_rows_config).
 
     fp4_matmul_fused(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b, lora_scale, n1, n2, out)
     fp4_matmul_t_fused(g2, weight_packed, weight_scale, weight_global_scale, out)         # g2 @ deq(W)
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qerl.errors import QerlError
 from qerl.quant.kernels import _e2m1
@@ -147,11 +149,11 @@ def _split_range(n_tiles, SPLIT: tl.constexpr):
 @triton.jit
 def _mn_program(M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 SPLIT: tl.constexpr):
-    """This program's output tile of an (M, N) result reduced over K: tile id, pid_n, row and column offsets, and
-    its K-tiles [kt0, kt1)."""
+    """This program's output tile of an (M, N) result reduced over K: tile id, pid_m, pid_n, row and column offsets,
+    and its K-tiles [kt0, kt1)."""
     tile, pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     kt0, kt1 = _split_range(tl.cdiv(K, BK), SPLIT)
-    return tile, pid_n, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), kt0, kt1
+    return tile, pid_m, pid_n, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), kt0, kt1
 
 
 @triton.jit
@@ -214,7 +216,7 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    SPLIT: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr, EVEN_K: tl.constexpr,
                    EVEN_M: tl.constexpr, HAS_LORA: tl.constexpr, RP: tl.constexpr, SWAP_AB: tl.constexpr,
-                   PDL: tl.constexpr = False, WAIT_LATE: tl.constexpr = False):
+                   X_DESC: tl.constexpr = False, PDL: tl.constexpr = False, WAIT_LATE: tl.constexpr = False):
     """out (M, N) = x (M, K) @ deq(W).T (+ bias) (+ lora_scale * xa @ lora_b.T); program (tile, split) reduces
     K-tiles [split*T, (split+1)*T).
 
@@ -226,19 +228,22 @@ def _fp4_mm_kernel(x_ptr, wp_ptr, ws_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, cnt_
     with WAIT_LATE only before its first write: the launcher sets it when the previous kernel is the x @ A.T of the
     same x (small_matmul, which itself waited for x's producer before letting this launch start), so the main loop
     reads x and W while that kernel still runs, and xa, the output and the shared split-K workspace are touched
-    only after it has finished."""
+    only after it has finished. X_DESC: x_ptr is a host TMA descriptor of x with block (BM, BK) (many-row tiles)."""
     if not WAIT_LATE:
         grid_dependency(PDL)
-    tile, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, GROUP_M, SPLIT)
+    tile, pid_m, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, GROUP_M, SPLIT)
     rn = offs_n % N  # wrapped weight rows load real data; only the store is masked
     offs_k = tl.arange(0, BK)
     if SWAP_AB:
         acc_t = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+    tl.assume(kt0 < kt1)  # no zero-trip path (its zero accumulator made ptxas serialize the async wgmma)
     for kt in range(kt0, kt1):
-        ks = kt * BK + offs_k
-        a = _load_rows(x_ptr, offs_m, ks, M, K, sxm, sxk, EVEN_M, EVEN_K)
+        if X_DESC:  # x_ptr is a TMA descriptor: one bulk copy per x tile instead of per-thread addresses
+            a = x_ptr.load([pid_m * BM, kt * BK])
+        else:
+            a = _load_rows(x_ptr, offs_m, kt * BK + offs_k, M, K, sxm, sxk, EVEN_M, EVEN_K)
         p, s = _load_weight_tile(wp_ptr, ws_ptr, rn, kt, rn < N, K, swn, ssn, BK, EVEN_K)
         w = _dequant_tile(p, s, BN, BK, USE_ASM)
         if a.dtype != tl.bfloat16:
@@ -293,7 +298,7 @@ def _small_mm_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, sxm, sxk
     """out (M, N) = x (M, K) @ w (N, K).T for few rows and a narrow dense w (a LoRA A): one launch, split-K
     partials summed by the last program (cuBLAS takes a GEMM plus a separate split-K reduction kernel)."""
     grid_dependency(PDL)
-    tile, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, 1, SPLIT)
+    tile, _, pid_n, offs_m, offs_n, kt0, kt1 = _mn_program(M, N, K, BM, BN, BK, 1, SPLIT)
     offs_k = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(kt0, kt1):
@@ -365,6 +370,14 @@ def _check_config(config: KernelConfig | None) -> None:
         raise QerlError(f"config.bk: {config.bk} < 64 is not supported (wrong results seen with Triton 3.6)")
 
 
+def _x_descriptor(x2: torch.Tensor, cfg: KernelConfig):
+    """A TMA descriptor of x2 (block bm x bk), or None where TMA cannot address it (strides, alignment)."""
+    size = x2.element_size()
+    if x2.stride(1) != 1 or (x2.stride(0) * size) % 16 or x2.data_ptr() % 16:
+        return None
+    return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [cfg.bm, cfg.bk])
+
+
 def fp4_matmul_fused(x2, weight_packed, weight_scale, weight_global_scale, bias, xa, lora_b, lora_scale: float,
                      n1: int, n2: int, out: torch.Tensor, config: KernelConfig | None = None,
                      use_asm: bool = True) -> torch.Tensor:
@@ -379,7 +392,8 @@ def fp4_matmul_fused(x2, weight_packed, weight_scale, weight_global_scale, bias,
     m, k = x2.shape
     n = weight_packed.shape[0]
     r = 0 if lora_b is None else lora_b.shape[1]
-    cfg = config or forward_config(m, n, k, x2.device)
+    cfg = config or forward_config(m, n, k, x2.device, x2.dtype)
+    cfg = cfg._replace(split=_no_empty_splits(cfg.split, triton.cdiv(k, cfg.bk)))  # the kernel assumes no empty split
     while cfg.bn > 16 and (n1 % cfg.bn or n2 % cfg.bn):  # every program's columns inside one segment
         cfg = cfg._replace(bn=cfg.bn // 2)
     if n1 % cfg.bn or n2 % cfg.bn:
@@ -390,15 +404,16 @@ def fp4_matmul_fused(x2, weight_packed, weight_scale, weight_global_scale, bias,
     ws = weight_scale.contiguous().view(torch.uint8)
     gs = weight_global_scale.reshape(-1).to(torch.float32)
     b = bias.contiguous() if bias is not None else out
+    x_arg = _x_descriptor(x2, cfg) if cfg.tma else None
     _fp4_mm_kernel[(tiles, cfg.split)](
-        x2, wp, ws, gs, b, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
-        wp.stride(0), ws.stride(0),
+        x2 if x_arg is None else x_arg, wp, ws, gs, b, out, part, cnt, m, n, k, x2.stride(0), x2.stride(1),
+        out.stride(0), out.stride(1), wp.stride(0), ws.stride(0),
         out if xa is None else xa, out if lora_b is None else lora_b, r, 0 if xa is None else xa.stride(0), r,
         float(lora_scale), n1, n2,
         HAS_BIAS=bias is not None, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, GROUP_M=cfg.group_m,
         USE_ASM=use_asm, EVEN_K=k % cfg.bk == 0, EVEN_M=m % cfg.bm == 0, HAS_LORA=xa is not None,
-        RP=max(16, triton.next_power_of_2(max(r, 1))), SWAP_AB=cfg.swap_ab, num_warps=cfg.warps,
-        num_stages=cfg.stages, **pdl_options(x2.device, wait_late=LORA_OVERLAP and xa is not None),
+        RP=max(16, triton.next_power_of_2(max(r, 1))), SWAP_AB=cfg.swap_ab, X_DESC=x_arg is not None,
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl_options(x2.device, wait_late=LORA_OVERLAP and xa is not None),
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
