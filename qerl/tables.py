@@ -15,8 +15,10 @@ results that a trained experiment of the same size and format evaluated alongsid
 Accuracies are shown in percent with the 95% interval of qerl.evaluation.pass_at_1_stats. Table 2's average of
 ours is the mean of the four benchmarks with a normal interval from their (independent) standard errors.
 
-bench json (Table 3; keys optional): {"model_size_gb": float, "rollout_tokens_per_s": {"2": float, "8": float},
-"e2e_step_seconds": {"2": float, "4": float, "8": float}}; our speedup = BF16-LoRA step time / this step time.
+bench json (Table 3, written by `python -m bench.table3`; every key optional): {"model_size_gb": float (decimal GB),
+"rollout_tokens_per_s": {"2": float, "8": float}, "e2e_step_seconds": {"2": float, "4": float, "8": float},
+"device": str, "weights": str, "protocol": {..., "lengths": {"law", "median", "sigma", "cap"}}}; our speedup =
+BF16-LoRA step time / this step time, given only when both were measured on the same device.
 """
 from __future__ import annotations
 
@@ -228,16 +230,52 @@ def _num(x) -> str:
     return MISSING if x is None else (f"{x:.1f}" if isinstance(x, (int, float)) else str(x))
 
 
+def _speedup(base: dict | None, bench: dict | None, batch: int) -> tuple[float | None, str]:
+    """BF16-LoRA step time / this step time at `batch` prompts, and the cell: x speedup (step seconds)."""
+    t_base, t = (_bench_value(x, "e2e_step_seconds", batch) for x in (base, bench))
+    if not t:
+        return None, MISSING
+    if not t_base or base.get("device") != bench.get("device"):  # a ratio across devices measures the devices
+        return None, f"- ({t:.1f} s)"
+    ours = round(t_base / t, 3)
+    return ours, f"x{ours:.2f} ({t:.1f} s)"
+
+
+def _table3_caption(benches: list[dict]) -> str:
+    """Where and how our figures were measured, from the bench JSONs themselves."""
+    if not benches:
+        return f"No measurement yet (`python -m bench.table3`): ours read \"{MISSING}\".\n\n"
+    devices = sorted({str(b.get("device", "unknown device")) for b in benches})
+    laws = sorted({json.dumps(b.get("protocol", {}).get("lengths", {}), sort_keys=True) for b in benches})
+    text = f"Ours: measured on {', '.join(devices)} (`python -m bench.table3`)."
+    if any(str(b.get("weights", "")).startswith("random") for b in benches):
+        text += (" Rows marked random ran random weights of the real Qwen2.5 shapes: speed does not depend on "
+                 "the values.")
+    for law in map(json.loads, laws):
+        if law:
+            text += (f" Random weights never sample EOS, so every completion ends at a length drawn from a "
+                     f"{law.get('law', '?')} law (median {law.get('median')}, sigma {law.get('sigma')}, capped at "
+                     f"{law.get('cap')}), the same draws for every method.")
+    proto = benches[0].get("protocol", {})
+    if proto:
+        text += (f" Rollout: rows = batch, {proto.get('prompt_len')}-token prompts; E2E: batch prompts x "
+                 f"G = {proto.get('num_generations')}, the mean of {proto.get('timed_steps')} GRPO step(s) after a "
+                 f"warm-up, step seconds in brackets.")
+    return text + "\n\n"
+
+
 def table3(loaded: dict) -> tuple[str, list[dict]]:
     """Model size, rollout throughput and end-to-end speedup per size and method."""
     header = ["Model", "Method", "W#", "size GB ours", "paper"]
     header += [f"rollout tok/s bs{b} {w}" for b in paper.BATCH_SIZES_ROLLOUT for w in ("ours", "paper")]
-    header += [f"E2E speedup bs{b} {w}" for b in paper.BATCH_SIZES_E2E for w in ("ours", "paper")] + ["source"]
-    md_rows, csv_rows = [], []
+    header += [f"E2E speedup bs{b} {w}" for b in paper.BATCH_SIZES_E2E for w in ("ours", "paper")]
+    header += ["measured on", "source"]
+    md_rows, csv_rows, benches = [], [], []
     for size in paper.TABLE3_SIZES:
         base_bench, _ = _bench_for(loaded, size, "lora")
         for method in paper.TABLE3_METHODS:
             bench, src = _bench_for(loaded, size, method)
+            benches += [bench] if bench else []
             ref = paper.TABLE3[(size, method)]
             cells = [_num(_bench_value(bench, "model_size_gb")), fmt_paper(ref["model_size_gb"])]
             metrics = [("model_size_gb", None, _bench_value(bench, "model_size_gb"), ref["model_size_gb"])]
@@ -246,17 +284,19 @@ def table3(loaded: dict) -> tuple[str, list[dict]]:
                 cells += [_num(ours), fmt_paper(ref["rollout_tokens_per_s"][b])]
                 metrics.append(("rollout_tokens_per_s", b, ours, ref["rollout_tokens_per_s"][b]))
             for b in paper.BATCH_SIZES_E2E:
-                t_base, t = (_bench_value(x, "e2e_step_seconds", b) for x in (base_bench, bench))
-                ours = round(t_base / t, 3) if t_base and t else None
-                cells += [MISSING if ours is None else f"x{ours:.2f}", fmt_paper(ref["e2e_speedup"][b])]
+                ours, cell = _speedup(base_bench, bench, b)
+                cells += [cell, fmt_paper(ref["e2e_speedup"][b])]
                 metrics.append(("e2e_speedup", b, ours, ref["e2e_speedup"][b]))
+                metrics.append(("e2e_step_seconds", b, _bench_value(bench, "e2e_step_seconds", b), None))
+            where = f"{bench.get('device', '?')}, {bench.get('weights', '?')}" if bench else ""
             label, w = paper.METHOD_LABELS[method]
-            md_rows.append([f"Qwen2.5-{size}-Instruct", label, w, *cells, src or ""])
+            md_rows.append([f"Qwen2.5-{size}-Instruct", label, w, *cells, where, src or ""])
             csv_rows += [{"table": "table3", "model_size": size, "method": method, "metric": m, "batch_size": b,
-                          "status": MISSING if o is None else "ok", "ours": o, "paper": p, "source": src}
-                         for m, b, o, p in metrics]
+                          "status": MISSING if o is None else "ok", "ours": o, "paper": p, "source": src,
+                          "device": bench.get("device") if bench else None} for m, b, o, p in metrics]
     title = ("# Table 3: model size, rollout throughput and end-to-end GRPO speedup, ours vs. the paper\n\n"
-             "Speedups are relative to BF16 LoRA of the same size. Paper: " + paper.SOURCE + ".\n\n")
+             "Speedups are relative to BF16 LoRA of the same size on the same device. Paper: " + paper.SOURCE +
+             " (vLLM rollouts).\n" + _table3_caption(benches))
     return title + _md_table(header, md_rows), csv_rows
 
 

@@ -1,0 +1,243 @@
+"""One experiment of the paper's Table 3, measured in its own process: model size, rollout tokens/s, GRPO step time.
+
+measure(spec, args, on_part) builds the experiment's policy - its checkpoint when one is given and present, else
+random weights of the real Qwen2.5 shapes (speed does not depend on the values): bf16 + LoRA, NF4 (bitsandbytes) +
+LoRA or NVFP4 (FP4Linear) + LoRA - then measures, each timed part alone on the GPU under --gpu-lock:
+  rollout  rows = each --rollout-batches (the paper's Tables 5-8: batch 2 and 8), one --prompt-len prompt each;
+  e2e      GRPO steps of each --e2e-batches prompts x G completions (Table 3: batch 2/4/8) through
+           qerl.trainer.GRPOTrainer (rollout + rewards + log-probs + loss + backward + AdamW), --steps timed after
+           a warm-up (the engine's compile/capture for that shape and one update of a full-length micro-batch).
+Random weights never sample EOS, so every rollout row ends at a length drawn from a log-normal (median --median,
+sigma --sigma, capped at --max-completion), as if it had sampled EOS there (ForcedLengths); a real checkpoint's
+EOS is ignored the same way, so every method decodes the same lengths. on_part(result) follows every part.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.e2e_workers import _random_reward, device_and_dtype, random_batch, random_prompts
+from bench.gpu_lock import GpuLock
+from bench.random_models import LINEAR_TARGETS, attach_lora, build_random_model, qwen25_config
+
+# method -> (train.mode, base weight format); the paper's Table 3 rows
+METHODS = {"lora": ("lora", "bf16"), "qlora": ("qlora_nf4", "nf4"), "qerl": ("qlora_fp4", "nvfp4")}
+ROW_KEYS = {"lora": "bf16_lora", "qlora": "nf4_lora", "qerl": "nvfp4_lora"}
+# Qwen2.5-3B-Instruct's public config (bench.random_models holds 7B/14B/32B): tied embeddings
+SHAPES_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+
+
+def model_config(size: str):
+    return qwen25_config("7B", **SHAPES_3B) if size == "3B" else qwen25_config(size)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def draw_lengths(rows: int, median: float, sigma: float, cap: int, seed: tuple[int, ...]) -> list[int]:
+    """Completion lengths ~ round(exp(N(log median, sigma))) clipped to [1, cap] (bench.paged's law), fixed by the
+    seed tuple, so every method decodes the same lengths."""
+    z = np.random.default_rng(list(seed)).standard_normal(rows)
+    return np.clip(np.round(median * np.exp(sigma * z)), 1, cap).astype(int).tolist()
+
+
+class ForcedLengths:
+    """A TorchEngine whose rows end at drawn lengths, as if each had sampled EOS there. The call keeps max_tokens
+    (so its CUDA-graph key and KV bucket stay those of the cap) and stops after the longest drawn row, as a static
+    batch does when its last row sees EOS; each row is then cut to its length (finish reason "stop").
+    Everything else (warm_up, stats, close, ...) is the wrapped engine's."""
+
+    def __init__(self, engine, median: float, sigma: float, cap: int, seed: int):
+        self.engine, self.median, self.sigma, self.cap, self.seed = engine, median, sigma, cap, seed
+        self.calls: dict[int, int] = {}  # rows -> calls so far: the k-th call of a width draws the same everywhere
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def lengths(self, rows: int) -> list[int]:
+        k = self.calls.get(rows, 0)
+        self.calls[rows] = k + 1
+        return draw_lengths(rows, self.median, self.sigma, self.cap, (self.seed, rows, k))
+
+    def generate(self, prompt_ids, n: int = 1, sampling=None):
+        from qerl.rollout import RolloutOutput
+
+        lengths = self.lengths(len(prompt_ids) * n)
+        self.engine._stop_after = max(lengths) - 1  # index of the last token sampled (the engine's warm_up knob)
+        try:
+            out = self.engine.generate(prompt_ids, n=n, sampling=sampling)
+        finally:
+            self.engine._stop_after = None
+        return RolloutOutput(prompt_ids=out.prompt_ids, stats=out.stats,
+                             completion_ids=[ids[:k] for ids, k in zip(out.completion_ids, lengths)],
+                             logprobs=[lps[:k] for lps, k in zip(out.logprobs, lengths)],
+                             finish_reasons=["stop"] * len(lengths))
+
+
+def state_dict_bytes(model) -> int:
+    """Bytes of every tensor of the model's state dict, shared ones once: what save_pretrained writes."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        key = (t.data_ptr(), t.numel()) if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _checkpoint_policy(spec: dict, device: str, dtype: torch.dtype, lora_r: int):
+    from qerl.policy import LoraSpec, load_policy
+
+    path = Path(spec["checkpoint"])
+    model, tokenizer = load_policy(path, mode=METHODS[spec["method"]][0], dtype=dtype, device=device,
+                                   lora=LoraSpec(r=lora_r, alpha=2 * lora_r), gradient_checkpointing=True)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return model, tokenizer, {"weights": "checkpoint", "checkpoint": str(path), "model_bytes": size,
+                              "size_source": "safetensors files of the checkpoint"}
+
+
+def _random_policy(spec: dict, args, device: str, dtype: torch.dtype, lora_r: int):
+    from peft import get_peft_model
+    from transformers import AutoTokenizer
+
+    from qerl.policy import LoraSpec
+
+    method = spec["method"]
+    model = build_random_model(model_config(spec["size"]), fp4=method == "qerl", device=device, dtype=dtype,
+                               seed=args.seed)
+    if method == "qlora":
+        from qerl.quant.nf4 import quantize_linears_nf4
+
+        quantize_linears_nf4(model, dtype, LINEAR_TARGETS)
+    size = state_dict_bytes(model)
+    if method == "qlora":  # peft's LoRA for bitsandbytes layers, as qerl.policy attaches it in mode qlora_nf4
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = get_peft_model(model, LoraSpec(r=lora_r, alpha=2 * lora_r).to_config()).train()
+    else:
+        model = attach_lora(model, r=lora_r, alpha=2 * lora_r, fp4=method == "qerl", gradient_checkpointing=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    return model, tokenizer, {"weights": f"random, Qwen2.5-{spec['size']} shapes", "checkpoint": None,
+                              "model_bytes": size, "size_source": "state-dict bytes of the base model"}
+
+
+def make_trainer(model, tokenizer, prompts, spec: dict, args, lora_r: int, batch: int):
+    """The project's GRPOTrainer on random prompts and a random reward (no AQN: speed is the same with it)."""
+    import tempfile
+
+    from qerl.config import TrainConfig
+    from qerl.trainer import GRPOTrainer
+
+    cfg = TrainConfig(mode=METHODS[spec["method"]][0], data={"source": "bench"},
+                      rewards=["bench.e2e_workers:_random_reward"], num_generations=args.group, batch_size=batch,
+                      micro_batch_size=args.micro_batch, max_steps=1000, max_completion_length=args.max_completion,
+                      gradient_checkpointing=True, aqn=None, lora={"lora_r": lora_r, "lora_alpha": 2 * lora_r},
+                      seed=args.seed)
+    return GRPOTrainer(cfg, model, tokenizer, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
+                       checkpoint_dir=tempfile.mkdtemp(prefix="qerl-table3-"))
+
+
+def _rollout(engine, tokenizer, rows: int, args, lock: GpuLock) -> dict:
+    """`rows` prompts, one completion each, up to --max-completion tokens: warm-up beside others, timed alone."""
+    from qerl.rollout import SamplingParams
+
+    prompts = random_prompts(tokenizer, rows, args.prompt_len, args.seed + rows)
+    sampling = SamplingParams(temperature=1.0, max_tokens=args.max_completion, seed=args.seed)
+    with lock.shared():
+        warm = engine.warm_up(prompts, n=1, sampling=sampling)
+        _sync()
+    captures = engine.stats["graph_captures"]
+    with lock.exclusive():
+        _sync()
+        start = time.perf_counter()
+        out = engine.generate(prompts, n=1, sampling=sampling)
+        _sync()
+        seconds = time.perf_counter() - start
+    lengths = [len(c) for c in out.completion_ids]
+    return {"rows": rows, "tokens": sum(lengths), "seconds": seconds, "tokens_per_s": sum(lengths) / seconds,
+            "decode_steps": max(lengths), "lengths": lengths, "warm_up": warm,
+            "captures_while_timed": engine.stats["graph_captures"] - captures}
+
+
+def _e2e(trainer, batch: int, args, lock: GpuLock, first_step: int) -> dict:
+    """Steps of `batch` prompts x G: warm-up beside others, then --steps timed steps, each alone on the GPU."""
+    cfg = trainer.cfg = trainer.cfg.model_copy(update={"batch_size": batch})
+    device = next(trainer.model.parameters()).device
+    prompts = [trainer.prompts[i] for i in trainer.batch_indices(first_step)]
+    with lock.shared():
+        warm = trainer.engine.warm_up(prompts, n=cfg.num_generations, sampling=trainer.sampling(first_step))
+        trainer.update(random_batch(min(cfg.micro_batch_size, batch * cfg.num_generations), args.prompt_len,
+                                    args.max_completion, device, args.seed), first_step)
+        _sync()
+    steps = []
+    for step in range(first_step, first_step + args.steps):
+        captures = trainer.engine.stats["graph_captures"]
+        with lock.exclusive():
+            _sync()
+            start = time.perf_counter()
+            data = trainer.rollout(step)
+            trainer.engine.sleep()
+            metrics = trainer.update(data, step)
+            _sync()
+            seconds = time.perf_counter() - start
+        steps.append({"step_seconds": seconds, "rollout_seconds": data.metrics["timing/rollout"],
+                      "update_seconds": metrics["timing/update"], "rows": data.input_ids.shape[0],
+                      "rollout_tokens": data.metrics["rollout_tokens"], "completion_len": data.completion_len,
+                      "loss": metrics["loss"], "captures_while_timed": trainer.engine.stats["graph_captures"] - captures})
+    return {"prompts": batch, "rows": batch * cfg.num_generations, "warm_up": warm, "steps": steps,
+            "step_seconds": statistics.mean(s["step_seconds"] for s in steps)}
+
+
+def _guard(result: dict, name: str, fn) -> None:
+    """One part; its exception is recorded (type and message) and the other parts still run."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports what failed and goes on
+        result["errors"][name] = f"{type(exc).__name__}: {exc}"[:500]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def measure(spec: dict, args, on_part=None) -> dict:
+    """The Table 3 figures of one experiment (spec: name, size, method, checkpoint or None); see the module doc."""
+    on_part = on_part or (lambda result: None)
+    device, dtype = device_and_dtype(args.device)
+    lock, lora_r = GpuLock(getattr(args, "gpu_lock", None)), spec.get("lora_r") or args.lora_r
+    start = time.perf_counter()
+    result = {"experiment": spec["name"], "model_size": spec["size"], "method": spec["method"],
+              "row_key": ROW_KEYS[spec["method"]], "train_mode": METHODS[spec["method"]][0],
+              "rollout_tokens_per_s": {}, "e2e_step_seconds": {}, "rollout": {}, "e2e": {}, "errors": {}}
+    with lock.shared():
+        real = spec.get("checkpoint") and Path(spec["checkpoint"], "config.json").is_file()
+        model, tokenizer, about = (_checkpoint_policy(spec, device, dtype, lora_r) if real
+                                   else _random_policy(spec, args, device, dtype, lora_r))
+        result.update(about, model_size_gb=round(about["model_bytes"] / 1e9, 2))
+        prompts = random_prompts(tokenizer, max([*args.e2e_batches, 1]) * 4, args.prompt_len, args.seed)
+        trainer = make_trainer(model, tokenizer, prompts, spec, args, lora_r, max([*args.e2e_batches, 1]))
+    engine = trainer.engine
+    if args.compile == "off":
+        engine.use_compile = False
+    trainer.engine = ForcedLengths(engine, args.median, args.sigma, args.max_completion, args.seed)
+    on_part(result)
+    for rows in args.rollout_batches:
+        def rollout(rows=rows):
+            part = result["rollout"][str(rows)] = _rollout(trainer.engine, tokenizer, rows, args, lock)
+            result["rollout_tokens_per_s"][str(rows)] = round(part["tokens_per_s"], 2)
+        _guard(result, f"rollout_b{rows}", rollout)
+        on_part(result)
+    for i, batch in enumerate(args.e2e_batches):
+        def e2e(batch=batch, i=i):
+            part = result["e2e"][str(batch)] = _e2e(trainer, batch, args, lock, first_step=100 * (i + 1))
+            result["e2e_step_seconds"][str(batch)] = round(part["step_seconds"], 3)
+        _guard(result, f"e2e_b{batch}", e2e)
+        on_part(result)
+    result.update(compile=engine.use_compile, cuda_graph=engine.use_cuda_graph,
+                  gpu_lock_wait_s=round(lock.waited_s, 1), wall_seconds=round(time.perf_counter() - start, 1))
+    engine.close()
+    return result
