@@ -79,6 +79,7 @@ class ProjectionGroup:
         self.adapter = members[0].active_adapters[0]
         self.scaling = float(members[0].scaling[self.adapter])
         self.lora_a = self.lora_b = None  # stacked adapter copies in the compute dtype, filled by refresh()
+        self.dense = None  # a rollout's stacked dequantized weight (qerl.quant.dense_copies), members hold views
         self.active = False
         self._x = None
         self._outs = None
@@ -149,6 +150,8 @@ class ProjectionGroup:
         return out
 
     def _stacked_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "fp4" and self.dense is not None and self.members[0].base_layer.dense_copy_for(x) is not None:
+            return self._dense_copy_forward(x)
         if self.kind == "fp4":
             return fp4_lora_matmul(x, self.stacked["weight_packed"], self.stacked["weight_scale"],
                                    self.stacked["weight_global_scale"], self.bias, self.lora_a, self.lora_b,
@@ -157,6 +160,18 @@ class ProjectionGroup:
         out = F.linear(x2, self.stacked["weight"], self.bias)
         xa = small_matmul(x2, self.lora_a)
         return torch.addmm(out, xa, self.lora_b.T, alpha=self.scaling).reshape(*x.shape[:-1], out.shape[-1])
+
+    def _dense_copy_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """FP4 group over its dense copy: one cuBLAS GEMM, x @ A.T, then each member's B on its output slice."""
+        x2 = x.reshape(-1, x.shape[-1])
+        out = F.linear(x2, self.dense, None if self.bias is None else self.bias.to(self.dense.dtype))
+        xa = small_matmul(x2, self.lora_a)
+        r, start = self.lora_a.shape[0] // len(self.members), 0
+        for i, size in enumerate(self.sizes):
+            out[:, start:start + size].addmm_(xa[:, i * r:(i + 1) * r], self.lora_b[start:start + size].T,
+                                              alpha=self.scaling)
+            start += size
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _usable(self, x: torch.Tensor) -> bool:
         first = self.members[0]
@@ -177,7 +192,9 @@ class ProjectionGroup:
                     m.base_layer.weight.data = m.base_layer.weight.data.clone()
                     m.__dict__.pop("forward", None)
                 m.__dict__.pop("_qerl_group", None)
+                m.base_layer.__dict__.pop("dense_copy", None)  # a view of the stacked copy dropped below
         self.stacked, self.lora_a, self.lora_b, self._outs, self._x = {}, None, None, None, None
+        self.dense = None
 
 
 def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense")) -> list[ProjectionGroup]:

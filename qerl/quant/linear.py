@@ -8,12 +8,15 @@ into it by name.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qerl.quant.format import MXFP4_GROUP, NVFP4_GROUP, dequantize, quantize_nvfp4
-from qerl.quant.dispatch import fp4_matmul, fp4_matmul_t
+from qerl.quant.dispatch import TMA_DENSE_MIN_ROWS, fp4_matmul, fp4_matmul_t
 
 FORMATS = ("nvfp4", "mxfp4")
+DENSE_COPY_ATTR = "dense_copy"  # a rollout's dequantized weight (qerl.quant.dense_copies); not a buffer
+DENSE_COPY_MIN_ROWS = TMA_DENSE_MIN_ROWS  # from here choose_kernel itself dequantizes + cuBLAS on sm_90
 _FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
@@ -106,7 +109,18 @@ class FP4Linear(nn.Module):
 
         return forward, (lambda g: fp4_matmul_t(g, wp, ws, gs))
 
+    def dense_copy_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The rollout's dense copy of the weight when this call should use it: inference (no autograd), x in
+        the copy's dtype, at least DENSE_COPY_MIN_ROWS rows (fewer: the FP4 kernels read 4x fewer bytes)."""
+        weight = self.__dict__.get(DENSE_COPY_ATTR)
+        if weight is None or torch.is_grad_enabled() or x.dtype != weight.dtype:
+            return None
+        return weight if x.numel() // max(x.shape[-1], 1) >= DENSE_COPY_MIN_ROWS else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.dense_copy_for(x)
+        if weight is not None:
+            return F.linear(x, weight, None if self.bias is None else self.bias.to(weight.dtype))
         return FP4LinearFunction.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale,
                                        self.bias)
 

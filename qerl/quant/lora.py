@@ -77,8 +77,8 @@ class FP4LoraLinear(nn.Module, LoraLayer):
             out = grouped[0].member_forward(grouped[1], x)
             if out is not None:
                 return out
-        name = self._fused_adapter(x)
-        if name is not None:
+        name = None if self.base_layer.dense_copy_for(x) is not None else self._fused_adapter(x)
+        if name is not None:  # else many rows over a rollout's dense copy: cuBLAS below beats the FP4 epilogue
             base = self.base_layer
             return fp4_lora_matmul(x, base.weight_packed, base.weight_scale, base.weight_global_scale, base.bias,
                                    self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])

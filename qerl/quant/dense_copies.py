@@ -1,0 +1,59 @@
+"""Dequantized copies of the frozen FP4 base weights, held for one rollout when memory allows.
+
+    nbytes = attach_dense_copies(model, groups, torch.bfloat16)   # before the KV pool is sized
+    ...rollout...                                                 # >= DENSE_COPY_MIN_ROWS rows: cuBLAS on the copy
+    detach_dense_copies(model, groups)                            # the update gets the memory back
+
+At hundreds of rows a bf16 GEMM over a dense copy beats every FP4 kernel of qerl.quant.dispatch (BENCHMARKS.md
+(a): FP4 0.47-0.63x bf16 per 7B layer at 256-512 rows, where the dense path dequantizes the whole weight on every
+call), while below qerl.quant.linear.DENSE_COPY_MIN_ROWS the FP4 kernels read 4x fewer bytes and win. So a continuous-batching
+rollout with many rows keeps one dequantized copy per layer for its duration (the same values the dense path
+computes on each call: results are unchanged) and gives it back before the update; training forwards (autograd
+on) never use it. Grouped projections (qerl.quant.grouped) get one stacked copy; members hold views of it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qerl.quant.linear import DENSE_COPY_ATTR as _ATTR
+from qerl.quant.linear import FP4Linear
+
+
+def dense_copy_bytes(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes the dense copies of every NVFP4 FP4Linear of `model` take in `dtype`."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return sum(m.in_features * m.out_features * size for m in model.modules()
+               if isinstance(m, FP4Linear) and m.fmt == "nvfp4")
+
+
+def attach_dense_copies(model: nn.Module, groups, dtype: torch.dtype) -> int:
+    """Give every NVFP4 FP4Linear of `model` a dense copy in `dtype` (grouped members: views of their group's
+    stacked copy, `group.dense`); returns the bytes allocated. Idempotent."""
+    detach_dense_copies(model, groups)
+    total = 0
+    with torch.no_grad():
+        for group in groups:
+            if group.kind != "fp4":
+                continue
+            parts = [m.base_layer.dequantize_weight(dtype) for m in group.members]
+            group.dense = torch.cat(parts)
+            del parts
+            start = 0
+            for m, size in zip(group.members, group.sizes):
+                m.base_layer.__dict__[_ATTR] = group.dense[start:start + size]
+                start += size
+            total += group.dense.numel() * group.dense.element_size()
+        for module in model.modules():
+            if isinstance(module, FP4Linear) and module.fmt == "nvfp4" and _ATTR not in module.__dict__:
+                module.__dict__[_ATTR] = module.dequantize_weight(dtype)
+                total += module.__dict__[_ATTR].numel() * module.__dict__[_ATTR].element_size()
+    return total
+
+
+def detach_dense_copies(model: nn.Module, groups=()) -> None:
+    """Drop every dense copy (the memory goes back to the allocator)."""
+    for group in groups:
+        group.dense = None
+    for module in model.modules():
+        module.__dict__.pop(_ATTR, None)
