@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "qerl"
 MAX_LINES = 450
-KNOWN_OVERSIZED = {"qerl/rollout/torch_engine.py": 489}  # to be split by concept; must not grow meanwhile
+KNOWN_OVERSIZED: dict[str, int] = {}  # path -> lines: a module waiting to be split, which must not grow meanwhile
 KERNELS = "qerl.quant.kernels"
 KERNELS_MAY_IMPORT = ("qerl.quant.kernels", "qerl.errors")  # qerl.errors: a leaf (the one-line QerlError)
 # none left: make_engine lives in qerl.rollout (the package), above the engines, not in the contract they import

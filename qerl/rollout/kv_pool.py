@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from qerl.errors import QerlError
+from qerl.rollout.model_state import compute_dtype
 
 NULL_BLOCK = 0  # reserved: the slot padded rows write to and read from
 
@@ -83,14 +84,6 @@ def _text_config(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _compute_dtype(model) -> torch.dtype:
-    """The dtype activations (and so K/V) are in: the input embeddings' (FP4 layers hold uint8)."""
-    try:
-        return model.get_input_embeddings().weight.dtype
-    except (AttributeError, NotImplementedError):
-        return next(p.dtype for p in model.parameters() if p.is_floating_point())
-
-
 def kv_shape(model) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a decoder-only transformers model."""
     cfg = _text_config(model)
@@ -103,7 +96,7 @@ def kv_shape(model) -> tuple[int, int, int]:
 def bytes_per_token(model, dtype: torch.dtype | None = None) -> int:
     """KV bytes one token position takes over all layers (K and V): Qwen2.5-7B in bf16 = 56 KiB."""
     layers, kv_heads, head_dim = kv_shape(model)
-    itemsize = torch.empty((), dtype=dtype or _compute_dtype(model)).element_size()
+    itemsize = torch.empty((), dtype=dtype or compute_dtype(model)).element_size()
     return 2 * layers * kv_heads * head_dim * itemsize
 
 
@@ -122,7 +115,7 @@ class KVPool:
             raise QerlError(f"gpu_memory_utilization: expected a number in (0, 1], got {gpu_memory_utilization!r}")
         self.block_size = block_size
         self.device = next(model.parameters()).device
-        self.dtype = _compute_dtype(model)
+        self.dtype = compute_dtype(model)
         self.layers, self.kv_heads, self.head_dim = kv_shape(model)
         self.bytes_per_token = bytes_per_token(model, self.dtype)
         if num_blocks is None:

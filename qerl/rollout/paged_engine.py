@@ -22,12 +22,11 @@ from qerl.rollout.attention import attention_implementation
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
 from qerl.rollout.kv_pool import BlockAllocator, KVPool, kv_shape
 from qerl.rollout.lora_shadows import lora_in_dtype
+from qerl.rollout.model_state import compile_options, compute_dtype, eos_ids, inference_mode, model_signature
 from qerl.rollout.paged_attention import NAME, PagedMeta, triton_paged
 from qerl.rollout.paged_graphs import DecodeGraphs, decode_forward
-from qerl.rollout.sampling import row_uniforms, sample_tokens
+from qerl.rollout.sampling import row_uniforms, sample_tokens, sampling_key
 from qerl.rollout.scheduler import Scheduler, blocks_for, check_fits
-from qerl.rollout.torch_engine import (_compile_options, _compute_dtype, _eos_ids, _inference_mode,
-                                       _model_signature, _sampling_key)
 
 _MAX_BUCKET = 512  # largest decode bucket when max_num_seqs is None; more running rows decode unpadded
 
@@ -73,7 +72,7 @@ class PagedEngine(RolloutEngine):
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.device = next(model.parameters()).device
-        self.eos_ids = set(_eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
+        self.eos_ids = set(eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
         self.decode_buckets = decode_buckets is True or (decode_buckets == "auto" and self.device.type == "cuda")
         self._graphs: DecodeGraphs | None = None  # kept across calls while its key matches
         self.compile = compile
@@ -82,7 +81,7 @@ class PagedEngine(RolloutEngine):
         self.allocator: BlockAllocator | None = None  # the last call's, for inspection
         self.stats: dict = {}
         on_cuda = self.device.type == "cuda"
-        self.lora_dtype = (_compute_dtype(model) if on_cuda else None) if lora_dtype == "auto" else lora_dtype
+        self.lora_dtype = (compute_dtype(model) if on_cuda else None) if lora_dtype == "auto" else lora_dtype
         self._shadows: dict[int, torch.nn.Parameter] = {}  # id(adapter weight) -> its copy in lora_dtype
         self._groups: list = []
         if fuse_projections is True or (fuse_projections == "auto" and on_cuda):
@@ -103,8 +102,8 @@ class PagedEngine(RolloutEngine):
         self.allocator = BlockAllocator(pool.num_blocks)
         sched = Scheduler(prompts, n, sampling.max_tokens, self.allocator, self.block_size,
                           self.max_num_batched_tokens, self.max_num_seqs)
-        with _inference_mode(self.model), lora_in_dtype(self.model, self.lora_dtype, self._shadows), \
-                projections_fused(self._groups, _compute_dtype(self.model)), \
+        with inference_mode(self.model), lora_in_dtype(self.model, self.lora_dtype, self._shadows), \
+                projections_fused(self._groups, compute_dtype(self.model)), \
                 attention_implementation(self.model, NAME):
             graphs = self._graphs_for(prompts, sampling, pool)
             before = dict(graphs.stats) if graphs is not None else {}
@@ -152,7 +151,7 @@ class PagedEngine(RolloutEngine):
             return None
         longest = max(len(p) for p in prompts) + sampling.max_tokens - 1
         width = 1 << (blocks_for(longest, self.block_size) - 1).bit_length()  # power of two: fewer recaptures
-        key = (width, _sampling_key(sampling), _model_signature(self.model), self.lora_dtype, len(self._groups),
+        key = (width, sampling_key(sampling), model_signature(self.model), self.lora_dtype, len(self._groups),
                id(pool), pool.key[0].data_ptr() if pool.key else 0)
         if self._graphs is None or self._graphs.key != key:
             self._graphs = None  # free the previous graphs' memory first
@@ -169,7 +168,7 @@ class PagedEngine(RolloutEngine):
         if not (self.compile is True or (self.compile == "auto" and graphed)):
             return None
         if self._compiled is None:
-            self._compiled = torch.compile(decode_forward, dynamic=True, options=_compile_options(self.device))
+            self._compiled = torch.compile(decode_forward, dynamic=True, options=compile_options(self.device))
         return self._compiled
 
     def _step(self, sched: Scheduler, pool: KVPool, sampling: SamplingParams, uniforms, graphs) -> None:

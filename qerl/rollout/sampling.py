@@ -13,6 +13,11 @@ import torch
 _MASK64 = (1 << 64) - 1
 
 
+def sampling_key(sampling) -> tuple:
+    """The sampling knobs a captured decode step bakes in (seeds and max_tokens live in buffers)."""
+    return (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
+
+
 def row_seed(base_seed: int, row: int) -> int:
     """A well-mixed 64-bit seed for one row (splitmix64 finaliser of seed and row index)."""
     z = (base_seed * 0x9E3779B97F4A7C15 + (row + 1) * 0xBF58476D1CE4E5B9) & _MASK64

@@ -282,6 +282,54 @@ def test_bad_arguments_raise_one_line_errors(model_and_tok):
         TorchEngine(model, tok, use_cuda_graph=True)  # CPU model
 
 
+class _Shaped:
+    """Only the shapes of a model: what the static-cache memory estimate reads (config, embedding dtype)."""
+
+    def __init__(self, **config):
+        from transformers import Qwen2Config
+
+        self.config = Qwen2Config(**config)
+        self._embed = torch.nn.Embedding(1, 1, dtype=torch.bfloat16)
+
+    def get_input_embeddings(self):
+        return self._embed
+
+
+def test_a_static_rollout_that_cannot_fit_is_one_line_naming_the_lengths_rows_and_the_paged_engine():
+    from qerl.rollout.static_decoder import check_static_fits, static_cache_bytes
+
+    qwen7b = _Shaped(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_size=3584,
+                     vocab_size=152064)
+    need = static_cache_bytes(qwen7b, 1024, 4608)
+    assert 1024 * 4608 * 56 * 2**10 < need < 1.02 * 1024 * 4608 * 56 * 2**10  # the KV cache: 56 KiB per position
+    with pytest.raises(QerlError) as err:
+        check_static_fits(qwen7b, 1024, 4608, free=70 * 2**30, prompts=128, prompt_len=512)
+    line = str(err.value)
+    assert "\n" not in line and "1,024 rows x 4,608 positions" in line and "70.0 GiB" in line
+    for name in ("max_prompt_length + max_completion_length", "rollout.engine: paged", "gpu_memory_utilization"):
+        assert name in line
+    check_static_fits(qwen7b, 8, 4608, free=70 * 2**30)  # 8 rows fit
+
+
+def test_the_static_engine_refuses_before_allocating_and_reuses_what_it_holds(model_and_tok, prompts, monkeypatch):
+    from qerl.rollout import torch_engine
+    from qerl.rollout.static_decoder import static_cache_bytes
+
+    model, tok = model_and_tok
+    engine = TorchEngine(model, tok, cache="static")
+    params = SamplingParams(max_tokens=4, seed=0)
+    width = max(len(p) for p in prompts)
+    need = static_cache_bytes(model, len(prompts) * 2, width + 4, prompts=len(prompts), prompt_len=width)
+    monkeypatch.setattr(torch_engine, "free_memory_bytes", lambda _device: need - 1)
+    with pytest.raises(QerlError, match=f"{len(prompts) * 2} rows x {width + 4} positions"):
+        engine.generate(prompts, 2, params)
+    assert engine.stats["prefill_calls"] == 0  # refused before the prefill allocated anything
+    monkeypatch.setattr(torch_engine, "free_memory_bytes", lambda _device: need)
+    first = engine.generate(prompts, 2, params)
+    monkeypatch.setattr(torch_engine, "free_memory_bytes", lambda _device: 0)  # all of it is the held decoder's
+    assert engine.generate(prompts, 2, params).completion_ids == first.completion_ids
+
+
 def test_vllm_missing_names_the_extra(model_and_tok):
     import importlib.util
 
@@ -294,14 +342,14 @@ def test_vllm_missing_names_the_extra(model_and_tok):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_warm_up_runs_a_few_decode_steps_and_changes_no_result(model_and_tok, prompts, cache):
-    from qerl.rollout.torch_engine import _WARMUP_STEPS
+    from qerl.rollout.static_decoder import WARMUP_STEPS
 
     model, tok = model_and_tok
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
     cold = TorchEngine(model, tok, cache=cache, eos_token_ids=()).generate(prompts, 2, params)
     engine = TorchEngine(model, tok, cache=cache, eos_token_ids=())
     done = engine.warm_up(prompts, 2, SamplingParams(temperature=1.0, max_tokens=12, seed=99))
-    assert done["prefill_calls"] == 1 and done["decode_calls"] == _WARMUP_STEPS + 2 < 12 - 1
+    assert done["prefill_calls"] == 1 and done["decode_calls"] == WARMUP_STEPS + 2 < 12 - 1
     warm = engine.generate(prompts, 2, params)
     assert warm.completion_ids == cold.completion_ids and warm.logprobs == cold.logprobs
     assert all(len(c) == 12 for c in warm.completion_ids)  # the step limit is gone after warm_up
@@ -403,18 +451,18 @@ def test_bench_writes_json_with_equal_work_per_engine(tiny_model_dir, tmp_path):
 def test_decode_compile_options_ask_for_pdl_only_on_hopper(monkeypatch):
     from torch._inductor import config as inductor_config
 
-    from qerl.rollout.torch_engine import _compile_options
+    from qerl.rollout.model_state import compile_options
 
-    assert _compile_options(torch.device("cpu")) == {}
+    assert compile_options(torch.device("cpu")) == {}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _dev=None: (9, 0))
     expected = {"triton.enable_pdl": True} if hasattr(inductor_config.triton, "enable_pdl") else {}
     monkeypatch.delenv("QERL_PDL", raising=False)
-    assert _compile_options(torch.device("cuda", 0)) == expected
+    assert compile_options(torch.device("cuda", 0)) == expected
     monkeypatch.setenv("QERL_PDL", "0")
-    assert _compile_options(torch.device("cuda", 0)) == {}
+    assert compile_options(torch.device("cuda", 0)) == {}
     monkeypatch.setenv("QERL_PDL", "auto")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _dev=None: (8, 0))
-    assert _compile_options(torch.device("cuda", 0)) == {}
+    assert compile_options(torch.device("cuda", 0)) == {}
 
 
 def _graph_breaks_of_a_compiled_decode(tokenizer_dir, device: str, rows: int) -> tuple[dict, dict]:
