@@ -107,10 +107,12 @@ def test_the_kernels_import_nothing_above_them():
 
 def test_one_dispatcher_calls_the_kernels():
     """Outside qerl.quant.kernels only the dispatcher (and qerl.rollout's own Triton attention kernels, static and
-    paged, which share the launch helpers) imports kernel modules that launch FP4 matmuls."""
+    paged, and the split-K scaffolding they share, which use the launch helpers) imports kernel modules that launch
+    FP4 matmuls."""
     modules = _modules()
     launchers = {f"{KERNELS}.{name}" for name in ("triton_fp4", "triton_dequant", "cuda_fp4")}
-    allowed = {"qerl.quant.dispatch", "qerl.rollout.triton_attention", "qerl.rollout.triton_paged"}
+    allowed = {"qerl.quant.dispatch", "qerl.rollout.triton_attention", "qerl.rollout.triton_paged",
+               "qerl.rollout.triton_split"}
     users = {m for m, p in modules.items() if not m.startswith(KERNELS)
              and launchers & _imports(p, m, modules, in_functions=True)}
     assert users <= allowed, f"kernels imported outside the dispatcher: {sorted(users - allowed)}"

@@ -6,8 +6,9 @@
 One program per (row, KV head, split): the query heads of a KV head are the rows of one tensor-core tile; the row's
 keys are read in tiles of BLOCK_L positions, each position's block looked up in the row's block table (a tile may
 span several small blocks or part of a large one), with an online softmax. The row's length is given, so nothing
-past it is read and no mask is scanned; the splits share out the row's tiles and the static kernel's combine kernel
-merges their partial (max, sum, output). Rows padded for a CUDA graph point at the null block with length 1.
+past it is read and no mask is scanned; the splits share out the row's tiles and qerl.rollout.triton_split's combine
+kernel merges their partial (max, sum, output), as for the static kernel. Rows padded for a CUDA graph point at the
+null block with length 1.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import triton
 import triton.language as tl
 
 from qerl.quant.kernels.tiling import target_programs
-from qerl.quant.kernels.triton_fp4 import grid_dependency, pdl_options
-from qerl.rollout.triton_attention import _gqa_combine_kernel
+from qerl.quant.kernels.triton_fp4 import grid_dependency
+from qerl.rollout.triton_split import combine, head_tile, launch_options, partials, program_end, program_start
 
 BLOCK_L = 64  # key positions per tile
 
@@ -29,22 +30,14 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_ptr, pm_ptr
                          BL: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                          PDL: tl.constexpr = False):
     grid_dependency(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
+    q, b, kvh, sp, m_i, l_i, acc = program_start(q_ptr, sqb, sqh, G, GP, D)
     length = tl.load(lens_ptr + b)
     n_tiles = tl.cdiv(length, BL)
     per_split = tl.cdiv(n_tiles, SPLIT)
     t0 = sp * per_split
     t1 = tl.minimum(t0 + per_split, n_tiles)
-    offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     offs_b = tl.arange(0, BL)
-    heads = kvh * G + offs_g
-    q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + offs_d[None, :], mask=offs_g[:, None] < G, other=0.0)
-    m_i = tl.full((GP,), float("-inf"), tl.float32)
-    l_i = tl.zeros((GP,), tl.float32)
-    acc = tl.zeros((GP, D), tl.float32)
     k_head = k_ptr + kvh * skh
     v_head = v_ptr + kvh * svh
     for t in range(t0, t1):  # every tile before n_tiles holds key t * BL < length, so m_i becomes finite at once
@@ -62,15 +55,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_ptr, pm_ptr
         v = tl.load(v_head + (blk * svn + pos * svp)[:, None] + offs_d[None, :], mask=inside[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    if SPLIT == 1:
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=offs_g[:, None] < G)
-    else:  # an empty split stores (-inf, 0, 0): the combine kernel gives it weight 0
-        row = (b * tl.num_programs(1) + kvh) * SPLIT + sp
-        tl.store(pm_ptr + row * GP + offs_g, m_i)
-        tl.store(pl_ptr + row * GP + offs_g, l_i)
-        tl.store(pacc_ptr + (row * GP + offs_g[:, None]) * D + offs_d[None, :], acc)
+    program_end(o_ptr, pm_ptr, pl_ptr, pacc_ptr, b, kvh, sp, m_i, l_i, acc, sob, soh, G, GP, D, SPLIT)
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -94,26 +79,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     row, the current token's included) -> (B, H, D) in q's dtype. Query head h uses KV head h // (H / Hkv)."""
     b, h, d = q.shape
     block_size, kv = k_cache.shape[1], k_cache.shape[2]
-    g = h // kv
-    gp = max(16, triton.next_power_of_2(g))
+    g, gp = head_tile(h, kv)
     if split is None:
         split = default_split(b, kv, block_table.shape[1] * block_size, q.device)
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
-    if split > 1:
-        pm = torch.empty(b, kv, split, gp, dtype=torch.float32, device=q.device)
-        pl = torch.empty_like(pm)
-        pacc = torch.empty(b, kv, split, gp, d, dtype=torch.float32, device=q.device)
-    else:
-        pm = pl = pacc = out
+    pm, pl, pacc = partials(out, b, kv, split, gp, d)
     precision = "ieee" if k_cache.dtype == torch.float32 else None  # fp32 caches: no TF32 rounding
-    pdl = pdl_options(q.device) if q.is_cuda else {}
+    pdl = launch_options(q.device)
     _paged_decode_kernel[(b, kv, split)](
         q, k_cache, v_cache, block_table, context_lens, out, pm, pl, pacc, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0),
         out.stride(1), G=g, GP=gp, D=d, BS=block_size, BL=BLOCK_L, SPLIT=split, PRECISION=precision,
         num_warps=4, num_stages=3, **pdl)
-    if split > 1:
-        _gqa_combine_kernel[(b, kv)](pm, pl, pacc, out, out.stride(0), out.stride(1), G=g, GP=gp, D=d, SPLIT=split,
-                                     num_warps=4, **pdl)
+    combine(pm, pl, pacc, out, out.stride(0), out.stride(1), g, gp, d, split, pdl)
     return out

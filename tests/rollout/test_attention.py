@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +82,44 @@ def test_kernel_check_is_a_constant_to_torch_compile(monkeypatch):
     finally:
         attention._triton_ok.cache_clear()
         torch._dynamo.reset()
+
+
+INTERPRETED = """
+import json, sys
+import torch
+from triton.runtime import interpreter
+original = interpreter._patch_lang_tensor
+def patched(tensor, scope):  # Triton 3.6's interpreter int()s (1,)-shaped program ids, which numpy 2 refuses
+    original(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interpreter._patch_lang_tensor = patched
+sys.path.insert(0, sys.argv[1])
+from tests.rollout.test_attention import _reference
+from qerl.rollout.triton_attention import gqa_decode_attention
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(*shape, generator=gen) for shape in ((3, 4, 1, 16), (3, 2, 150, 16), (3, 2, 150, 16)))
+keep = torch.rand(3, 150, generator=gen) > 0.3
+keep[1, 70:] = False  # a row that ends early: its later blocks are never read
+errors = [float((gqa_decode_attention(q, k, v, keep, 0.25, split=s).double()
+                 - _reference(q, k, v, keep[:, None, None, :], 0.25)).abs().max()) for s in (1, 2, 5)]
+print(json.dumps(errors))
+"""
+
+
+def test_interpreted_static_kernel_matches_float64_attention():
+    """The static-cache kernel on CPU through Triton's interpreter (a subprocess: TRITON_INTERPRET is read when the
+    kernels are defined): one split, and splits merged by the combine kernel, some of them empty."""
+    pytest.importorskip("triton")
+    import json
+    import subprocess
+    import sys
+
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED, repo], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert max(json.loads(proc.stdout.strip().splitlines()[-1])) < 1e-5
 
 
 @pytest.mark.gpu

@@ -1,0 +1,108 @@
+"""What the two Triton decode-attention kernels share (static cache: qerl.rollout.triton_attention, paged pool:
+qerl.rollout.triton_paged): one program per (row, KV head, split), the query heads of a KV head as the rows of one
+tensor-core tile, an online softmax over the split's keys, and, with several splits, a second kernel that merges
+their partial (max, sum, output).
+
+    q, b, kvh, sp, m_i, l_i, acc = program_start(q_ptr, sqb, sqh, G, GP, D)   # in a kernel, before its key loop
+    program_end(o_ptr, pm_ptr, pl_ptr, pacc_ptr, b, kvh, sp, m_i, l_i, acc, sob, soh, G, GP, D, SPLIT)
+    g, gp = head_tile(heads, kv_heads); pm, pl, pacc = partials(out, rows, kv_heads, split, gp, head_dim)
+    combine(pm, pl, pacc, out, out_stride_row, out_stride_head, g, gp, head_dim, split)   # after the kernel
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qerl.quant.kernels.triton_fp4 import grid_dependency, pdl_options
+
+
+@triton.jit
+def program_start(q_ptr, sqb, sqh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+    """This program's row, KV head and split, its (GP, D) query tile (rows past the G heads are 0) and the online
+    softmax state (running max, sum, output accumulator)."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    heads = kvh * G + offs_g
+    q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + offs_d[None, :], mask=offs_g[:, None] < G, other=0.0)
+    m_i = tl.full((GP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, D), tl.float32)
+    return q, b, kvh, sp, m_i, l_i, acc
+
+
+@triton.jit
+def program_end(o_ptr, pm_ptr, pl_ptr, pacc_ptr, b, kvh, sp, m_i, l_i, acc, sob, soh,
+                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    """One split: the output of its G heads. Several: the split's partial (max, sum, accumulator) for `combine`; an
+    empty split stores (-inf, 0, 0), which the combine weighs 0."""
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    if SPLIT == 1:
+        heads = kvh * G + offs_g
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=offs_g[:, None] < G)
+    else:
+        row = (b * tl.num_programs(1) + kvh) * SPLIT + sp
+        tl.store(pm_ptr + row * GP + offs_g, m_i)
+        tl.store(pl_ptr + row * GP + offs_g, l_i)
+        tl.store(pacc_ptr + (row * GP + offs_g[:, None]) * D + offs_d[None, :], acc)
+
+
+@triton.jit
+def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, o_ptr, sob, soh,
+                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m): the splits of one (row, KV head)."""
+    grid_dependency(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    base = (b * tl.num_programs(1) + kvh) * SPLIT
+    top = tl.full((GP,), float("-inf"), tl.float32)
+    for s in range(SPLIT):
+        top = tl.maximum(top, tl.load(pm_ptr + (base + s) * GP + offs_g))
+    num = tl.zeros((GP, D), tl.float32)
+    den = tl.zeros((GP,), tl.float32)
+    for s in range(SPLIT):
+        w = tl.exp(tl.load(pm_ptr + (base + s) * GP + offs_g) - top)  # 0 for a split that kept nothing
+        den += w * tl.load(pl_ptr + (base + s) * GP + offs_g)
+        num += w[:, None] * tl.load(pacc_ptr + ((base + s) * GP + offs_g[:, None]) * D + offs_d[None, :])
+    out = num / den[:, None]
+    heads = kvh * G + offs_g
+    tl.store(o_ptr + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=offs_g[:, None] < G)
+
+
+def head_tile(heads: int, kv_heads: int) -> tuple[int, int]:
+    """(G, GP): query heads per KV head, and the tile rows they fill (a power of two, at least 16 for tl.dot)."""
+    g = heads // kv_heads
+    return g, max(16, triton.next_power_of_2(g))
+
+
+def partials(out: torch.Tensor, rows: int, kv_heads: int, split: int, gp: int, head_dim: int):
+    """The (max, sum, accumulator) buffers of `split` > 1 splits; with one split the kernel writes `out` itself and
+    never touches them, so `out` stands in."""
+    if split == 1:
+        return out, out, out
+    pm = torch.empty(rows, kv_heads, split, gp, dtype=torch.float32, device=out.device)
+    pacc = torch.empty(rows, kv_heads, split, gp, head_dim, dtype=torch.float32, device=out.device)
+    return pm, torch.empty_like(pm), pacc
+
+
+def launch_options(device: torch.device) -> dict:
+    """Programmatic dependent launch where it applies (QERL_PDL; CUDA only: Triton's CPU interpreter has none)."""
+    return pdl_options(device) if device.type == "cuda" else {}
+
+
+def combine(pm, pl, pacc, out: torch.Tensor, sob: int, soh: int, g: int, gp: int, head_dim: int, split: int,
+            pdl: dict) -> None:
+    """Merge the splits' partials into `out` (nothing to do with one split)."""
+    if split > 1:
+        _combine_kernel[(pm.shape[0], pm.shape[1])](pm, pl, pacc, out, sob, soh, G=g, GP=gp, D=head_dim, SPLIT=split,
+                                                    num_warps=4, **pdl)
