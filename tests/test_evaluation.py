@@ -239,9 +239,9 @@ def test_hostile_megabyte_is_graded_quickly(tokenizer, monkeypatch, text):
 
 
 def test_timed_out_samples_are_wrong_and_counted(tokenizer, monkeypatch, tmp_path):
-    import qerl.rewards
+    import qerl.grading
 
-    monkeypatch.setattr(qerl.rewards, "_math_equal", lambda *a: time.sleep(30) or True)
+    monkeypatch.setattr(qerl.grading, "_math_equal", lambda *a: time.sleep(30) or True)
     t0 = time.monotonic()
     summary, problems = _evaluate_texts(monkeypatch, tokenizer, ["<answer>4</answer>"] * 4, RECORDS[:2],
                                         grading_timeout_s=0.2)

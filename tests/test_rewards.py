@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import qerl.rewards
+import qerl.grading
 from qerl import time_limit
 from qerl.errors import QerlError
-from qerl.rewards import (GradingStats, call_reward, correctness_reward, extract_answer, format_reward,
-                          get_reward_fn, grade, grade_completion, gold_answer, last_answer_tag, last_boxed,
-                          parse_number)
+from qerl.grading import (GradingStats, extract_answer, grade, grade_completion, gold_answer, last_answer_tag,
+                          last_boxed, parse_number)
+from qerl.rewards import call_reward, correctness_reward, format_reward, get_reward_fn
 
 
 def _load(data_dir, rel):
@@ -40,9 +40,7 @@ def test_gsm8k_reference_solutions_grade_correct(data_dir, split, count):
 @pytest.fixture
 def math_verify_only(monkeypatch):
     """Switch off the normalised-string shortcut, so math-verify itself must find every pair equal."""
-    import qerl.rewards
-
-    monkeypatch.setattr(qerl.rewards, "_norm_str", lambda s: object())
+    monkeypatch.setattr(qerl.grading, "_norm_str", lambda s: object())
 
 
 @pytest.mark.parametrize("field", ["solution", "answer"])
@@ -156,18 +154,18 @@ def _old_extract(text, kind, strict):
     tags = _OLD_TAG.findall(text)
     if tags:
         boxed = last_boxed(tags[-1])
-        return qerl.rewards._strip_math_delims(boxed if boxed is not None else tags[-1])
+        return qerl.grading._strip_math_delims(boxed if boxed is not None else tags[-1])
     boxed = last_boxed(text)
     if boxed is not None:
-        return qerl.rewards._strip_math_delims(boxed)
-    lines = list(qerl.rewards._ANSWER_LINE.finditer(text))
+        return qerl.grading._strip_math_delims(boxed)
+    lines = list(qerl.grading._ANSWER_LINE.finditer(text))
     if lines:
-        return qerl.rewards._strip_math_delims((lines[-1].group(1) or lines[-1].group(2)).strip())
+        return qerl.grading._strip_math_delims((lines[-1].group(1) or lines[-1].group(2)).strip())
     if strict:
         return None
     if kind == "math":
         return text.strip() or None
-    numbers = qerl.rewards._NUMBER.findall(text)
+    numbers = qerl.grading._NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
 
@@ -324,7 +322,7 @@ def test_pathological_sample_cannot_hang_worker_thread(warm_grader, fresh_worker
 @pytest.mark.parametrize("where", ["main", "thread"])
 @pytest.mark.parametrize("patched,kind", [("_math_equal", "math"), ("extract_answer", "numeric")])
 def test_over_the_limit_grades_wrong_and_counts(monkeypatch, fresh_worker, warm_grader, where, patched, kind):
-    monkeypatch.setattr(qerl.rewards, patched, _sleep)  # extraction too is inside the limit, not only verify
+    monkeypatch.setattr(qerl.grading, patched, _sleep)  # extraction too is inside the limit, not only verify
     stats = GradingStats()
     call = lambda: correctness_reward(["<answer>5</answer>", "Answer: 5"], ["5", "5"], kind=kind,  # noqa: E731
                                       timeout_s=0.3, stats=stats)
@@ -332,7 +330,7 @@ def test_over_the_limit_grades_wrong_and_counts(monkeypatch, fresh_worker, warm_
     assert rewards == [0.0, 0.0] and stats.timeouts == 2 and stats.graded == 2
     assert seconds < 2 * 0.3 + 2 * SLACK_S
     g = grade_completion("<answer>5</answer>", "5", kind, timeout_s=0.3)
-    assert g == qerl.rewards.Grade(False, None, timed_out=True)
+    assert g == qerl.grading.Grade(False, None, timed_out=True)
 
 
 def test_limit_is_a_positive_number_of_seconds():
@@ -370,7 +368,7 @@ def test_custom_reward_runs_under_a_per_call_limit(fresh_worker, where):
 
 
 def test_builtin_rewards_get_the_limit_and_the_tally(monkeypatch):
-    monkeypatch.setattr(qerl.rewards, "_math_equal", _sleep)
+    monkeypatch.setattr(qerl.grading, "_math_equal", _sleep)
     stats = GradingStats()
     assert call_reward(get_reward_fn("correctness"), ["\\boxed{x}"], answers=["x"], kind="math",
                        timeout_s=0.2, stats=stats) == [0.0]
@@ -382,7 +380,7 @@ def test_builtin_rewards_get_the_limit_and_the_tally(monkeypatch):
 def test_trainer_logs_grading_timeouts(monkeypatch):
     from qerl.trainer import GRPOTrainer
 
-    monkeypatch.setattr(qerl.rewards, "extract_answer", _sleep)
+    monkeypatch.setattr(qerl.grading, "extract_answer", _sleep)
     trainer = SimpleNamespace(cfg=SimpleNamespace(data=SimpleNamespace(answer_kind="numeric"), grading_timeout_s=0.2),
                               reward_fns=[("correctness", correctness_reward, 1.0), ("echo", _echo_reward, 0.5),
                                           ("sleepy", _sleepy_reward, 1.0)])
@@ -419,3 +417,11 @@ def test_get_reward_fn_builtin_and_dotted():
     for bad in ("nope", "qerl.nonexistent:fn", "qerl.rewards:nothing"):
         with pytest.raises(QerlError):
             get_reward_fn(bad)
+
+
+def test_grading_names_are_still_importable_from_rewards():
+    import qerl.rewards
+
+    for name in ("grade", "grade_completion", "extract_answer", "gold_answer", "parse_number", "Grade",
+                 "GradingStats", "GRADING_KINDS", "DEFAULT_TIMEOUT_S", "last_answer_tag", "last_boxed"):
+        assert getattr(qerl.rewards, name) is getattr(qerl.grading, name), name
