@@ -47,4 +47,4 @@ rule all:
 
 rule all_experiments:
     input:
-        [eval_json(name) for name in CFG.experiments],
+        [eval_json(name) for name in CFG.experiments if name not in ABLATION_RUNS],

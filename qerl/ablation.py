@@ -93,6 +93,12 @@ def expand_ablations(cfg: Config) -> Config:
     return cfg
 
 
+def ablation_run_names(cfg: Config) -> set[str]:
+    """Every run the ablations add to the experiments."""
+    return {run_name(name, method, seed) for name, a in cfg.ablations.items() for method in a.methods
+            for seed in a.seeds}
+
+
 def quantize_sources(cfg: Config) -> dict[str, str]:
     """run -> the ablation run whose quantized checkpoint it reuses (same model and quantize section): a seed or a
     method that only changes training does not quantize again."""

@@ -125,6 +125,10 @@ class TrainConfig(_Section):
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0)
+    optim: Literal["adamw_torch", "adamw_8bit"] = Field("adamw_torch", description="AdamW in torch, or "
+                                                        "bitsandbytes' 8-bit AdamW (qerl.optim)")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     beta: float = Field(0.0, ge=0.0, description="k3 KL coefficient against the base (adapter disabled)")
@@ -345,6 +349,22 @@ def _one_line(err: ValidationError, where: str) -> str:
     return f"{where}: {path or '<root>'}: {msg}{more}"
 
 
+def optimizer_problem(optim: str) -> str | None:
+    """Why train.optim cannot be built in this environment (a missing package), or None."""
+    if optim == "adamw_8bit" and importlib.util.find_spec("bitsandbytes") is None:
+        return "adamw_8bit needs bitsandbytes, not installed (pip install 'qerl[gpu]', or optim: adamw_torch)"
+    return None
+
+
+def check_environment(cfg: Config, where: str) -> None:
+    """What a valid config needs installed here (`check`; the trainer raises the same line building its optimizer);
+    kept out of parsing, so a GPU-only package missing here does not block the CPU demo."""
+    for name, exp in cfg.experiments.items():
+        problem = optimizer_problem(exp.train.optim)
+        if problem:
+            raise QerlError(f"{where}: experiments.{name}.train.optim: {problem}")
+
+
 def parse_config(data: dict[str, Any], where: str = "config") -> Config:
     """Validate a whole config mapping; raise QerlError naming the first bad key."""
     data = {k: v for k, v in data.items() if not str(k).startswith("_")}  # _name: YAML anchor holders
@@ -407,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         cfg = load_config(a.path)
+        if a.cmd == "check":
+            check_environment(cfg, a.path)
     except QerlError as err:
         sys.exit(f"error: {err}")
     if a.cmd == "memory":

@@ -24,6 +24,7 @@ from qerl.checkpoint import CheckpointRun, NonFiniteState, load_checkpoint
 from qerl.distributed import SINGLE, Ranks
 from qerl.errors import QerlError
 from qerl.grpo import group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
+from qerl.optim import build_optimizer
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
 
@@ -122,7 +123,7 @@ class GRPOTrainer:
             raise QerlError("model has no trainable parameters (check train.mode and lora settings)")
         # fused on CUDA (as TRL's default adamw_torch_fused): one kernel per step instead of foreach's chains
         fused = all(p.is_cuda for p in params) or None
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=fused)
+        self.optimizer = build_optimizer(model, params, cfg, fused=fused)  # train.optim, betas, decay groups
         from transformers import get_scheduler
 
         updates = self.total_steps * cfg.num_iterations

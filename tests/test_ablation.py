@@ -53,6 +53,7 @@ def test_each_method_and_seed_is_an_experiment_off_the_base():
     cfg = ablation.expand_ablations(parse_config(config()))
     names = [n for n in cfg.experiments if n != "tiny"]
     assert names == [f"abl-{m}-s{s}" for m in METHODS for s in (0, 1)]
+    assert ablation.ablation_run_names(cfg) == set(names)  # what all_experiments leaves out
     bf16, aqn = cfg.experiments["abl-bf16_lora-s1"], cfg.experiments["abl-nvfp4_lora_aqn-s0"]
     assert (bf16.train.mode, bf16.quantize.scheme, bf16.train.aqn, bf16.train.seed) == ("lora", "bf16", None, 1)
     assert aqn.train.aqn.sigma_start == 1e-2 and aqn.train.lora.lora_r == 2  # the rest is the base's

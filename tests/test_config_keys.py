@@ -136,12 +136,16 @@ def _dry_run_reads(tmp_path: Path, task: Path) -> set[str]:
     cfg = {"default_target": "probe", "results_dir": "probe-results", "python": "/probe/bin/python",
            "vllm_python": "/probe-vllm/bin/python", "tokenizer_dir": "/probe/tokenizer", "data_dir": str(task),
            "mlflow": {"tracking_uri": "http://probe-host:5000", "experiment_name": "probe-mlflow"},
-           "experiments": {"probe": probe_experiment(task)}}
+           "experiments": {"probe": probe_experiment(task)},
+           "ablations": {"probe_ablation": {"base": "probe", "seeds": [0], "smooth_steps": 2,
+                                            "train": {"max_steps": 1}, "eval": {"limit": 1},
+                                            "methods": {"m": {"label": "M", "quantize": {"scheme": "nvfp4"},
+                                                              "train": {"mode": "qlora_fp4"}}}}}}
     (tmp_path / "config").mkdir(parents=True)
     (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp_path / "reads.json"
     argv = ["-n", "-p", "--cores", "1", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-            "all", "probe-results/tables/table1.md", "resources/tiny-qwen2"]
+            "all", "probe-results/tables/table1.md", "resources/tiny-qwen2", "probe_ablation"]
     code = _DRY_RUN.format(tests=str(REPO / "tests"), out=str(out), argv=argv)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

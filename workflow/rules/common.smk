@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from qerl.ablation import expand_ablations, quantize_sources, render_spec
+from qerl.ablation import ablation_run_names, expand_ablations, quantize_sources, render_spec
 from qerl.config import parse_config, section_json
 from qerl.errors import QerlError
 from qerl import paths
@@ -52,6 +52,7 @@ def quantized_dir(experiment):
 
 # ablation runs that train on another run's quantized checkpoint (same model and quantize section)
 QUANTIZED_FROM = quantize_sources(CFG)
+ABLATION_RUNS = ablation_run_names(CFG)  # built by their ablation's target, not by all_experiments
 
 
 def quantized_input(wildcards):
