@@ -8,7 +8,7 @@
 no table row), so each run is quantize -> train -> merge -> evaluate like any other. The first run of each method
 that brings a new base also evaluates it without training (base for a 16-bit method, quantized_base for a
 quantized one). `render` reads their metrics.csv and eval.json and writes, under results/ablations/<name>/:
-  curves.png   reward and entropy per step: the mean over seeds and the band between the lowest and highest seed
+  curves.png   reward, correct rollouts and entropy per step: the mean over seeds and the band between the lowest and highest seed
                (a moving average over smooth_steps steps), the paper's Figures 3, 4 and 8 in small
   table1.md    greedy accuracy per method and benchmark: the mean over seeds with a Wilson 95% interval over the
                seeds' pooled problems, each seed's accuracy, their standard deviation; the untrained bases
@@ -32,7 +32,9 @@ from qerl.errors import QerlError
 from qerl.paths import Layout
 from qerl.tracking import add_mlflow_args
 
-CURVES = (("reward", "reward"), ("entropy", "policy entropy (nats per token)"))
+# metrics.csv column -> axis title; correctness apart from the total, which also pays for the answer format
+CURVES = (("reward", "reward (weighted sum)"), ("rewards/correctness/mean", "correct rollouts (fraction)"),
+          ("entropy", "policy entropy (nats per token)"))
 
 
 # ------------------------------------------------------------------------------------------ expansion
@@ -168,7 +170,7 @@ def plot_curves(spec: dict, out_png: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     window = spec["smooth_steps"]
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(6 * len(CURVES), 4))
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(5.5 * len(CURVES), 4))
     for method in spec["methods"].values():
         runs = [read_curves(run["metrics"]) for run in finished(method)]
         if not runs:
@@ -238,6 +240,8 @@ def summarise(spec: dict) -> dict:
         methods[key] = {"label": method["label"], "benchmarks": per_bench, "seeds_finished": len(runs),
                         "seeds_configured": len(method["runs"]),
                         "final_reward": [_tail_mean(c["reward"], spec["smooth_steps"]) for c in curves],
+                        "final_correct": [_tail_mean(c["rewards/correctness/mean"], spec["smooth_steps"])
+                                          for c in curves],
                         "mean_entropy": [_tail_mean(c["entropy"], len(c["entropy"])) for c in curves]}
     return {"name": spec["name"], "base": spec["base"], "benchmarks": benchmarks, "methods": methods,
             "untrained": bases}
@@ -250,7 +254,8 @@ def _pct(x: float) -> str:
 def table_markdown(summary: dict, smooth_steps: int) -> str:
     benches = summary["benchmarks"]
     header = (["Method"] + [f"{b} greedy % [95% CI]" for b in benches] + [f"{b} per seed (SD)" for b in benches]
-              + [f"reward, last {smooth_steps} steps", "mean entropy"])
+              + [f"reward, last {smooth_steps} steps", f"correct rollouts, last {smooth_steps} steps",
+                 "mean entropy"])
     rows = []
     for method in summary["methods"].values():
         cells = [method["label"]]
@@ -261,6 +266,7 @@ def table_markdown(summary: dict, smooth_steps: int) -> str:
             s = method["benchmarks"].get(b)
             cells.append(" / ".join(_pct(a) for a in s["seeds"]) + f" ({_pct(s['sd'])})" if s else "-")
         cells.append(" / ".join(f"{r:.3f}" for r in method["final_reward"]))
+        cells.append(" / ".join(f"{r:.3f}" for r in method["final_correct"]))
         cells.append(" / ".join(f"{e:.3f}" for e in method["mean_entropy"]))
         rows.append(cells)
     labels = {"base": "base, no training", "quantized_base": "quantized base, no training"}
@@ -278,7 +284,7 @@ def table_markdown(summary: dict, smooth_steps: int) -> str:
              + (f"**Partial: seeds finished {', '.join(partial)}.** " if partial else "")
              + "Mean over seeds; the 95% interval is Wilson's over the seeds' pooled problems (the uncertainty of the "
              "items, not of the seeds: the per-seed column shows that). Problems per seed: "
-             + ", ".join(f"{b} {k}" for b, k in n.items()) + ". Reward and entropy are per seed.\n\n")
+             + ", ".join(f"{b} {k}" for b, k in n.items()) + ". Reward, correct rollouts and entropy are per seed.\n\n")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return intro + "\n".join(lines) + "\n"

@@ -108,8 +108,8 @@ def _fake_run(root: Path, name: str, reward: float, acc: float, with_base: bool 
     run.mkdir(parents=True)
     with (run / "metrics.csv").open("w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["step", "reward", "entropy", "aqn/sigma"])
-        w.writerows([[s, reward + 0.01 * s, 0.5 - 0.01 * s, 0] for s in range(1, 11)])
+        w.writerow(["step", "reward", "rewards/correctness/mean", "entropy", "aqn/sigma"])
+        w.writerows([[s, reward + 0.01 * s, reward, 0.5 - 0.01 * s, 0] for s in range(1, 11)])
     accs = {("demo", "trained"): (acc, 150), ("demo_large", "trained"): (acc / 2, 100)}
     if with_base:
         accs |= {("demo", "base"): (0.26, 150), ("demo_large", "base"): (0.08, 100)}
@@ -131,6 +131,7 @@ def test_render_writes_bands_and_a_table_with_intervals_and_seed_spread(tmp_path
     assert lora["sd"] == pytest.approx(0.0707, abs=1e-4)
     assert lora["ci95_low"] < 0.45 < lora["ci95_high"] and lora["ci95_high"] - lora["ci95_low"] < 0.12  # 300 items
     assert summary["methods"]["fp4"]["final_reward"][0] == pytest.approx(0.3 + 0.01 * 9)  # last 3 steps' mean
+    assert summary["methods"]["fp4"]["final_correct"] == [pytest.approx(0.3), pytest.approx(0.4)]
     table = paths["table"].read_text()
     assert "| BF16 LoRA | 45.0 [" in table and "40.0 / 50.0 (7.1)" in table
     assert "| base, no training | 26.0 [" in table and "demo_large" in table
