@@ -49,17 +49,17 @@ def draw_lengths(rows: int, median: float, sigma: float, cap: int, seed: tuple[i
 
 
 class ForcedLengths:
-    """A TorchEngine whose rows end at drawn lengths, as if each had sampled EOS there. The call keeps max_tokens
-    (so its CUDA-graph key and KV bucket stay those of the cap) and stops after the longest drawn row, as a static
-    batch does when its last row sees EOS; each row is then cut to its length (finish reason "stop").
-    Everything else (warm_up, stats, close, ...) is the wrapped engine's."""
+    """Rows of a TorchEngine that end at drawn lengths, as if each had sampled EOS there. The engine's own generate
+    is replaced on the instance, so every path to it (the trainer's policy_rollout included) is forced; a call
+    keeps max_tokens (its CUDA-graph key and KV bucket stay those of the cap) and stops after the longest drawn
+    row, as a static batch does when its last row sees EOS; each row is then cut to its length (finish reason
+    "stop"). warm_up calls (their own early stop set) pass through unforced and draw nothing."""
 
     def __init__(self, engine, median: float, sigma: float, cap: int, seed: int):
         self.engine, self.median, self.sigma, self.cap, self.seed = engine, median, sigma, cap, seed
         self.calls: dict[int, int] = {}  # rows -> calls so far: the k-th call of a width draws the same everywhere
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+        self._generate = engine.generate
+        engine.generate = self.generate
 
     def lengths(self, rows: int) -> list[int]:
         k = self.calls.get(rows, 0)
@@ -69,10 +69,12 @@ class ForcedLengths:
     def generate(self, prompt_ids, n: int = 1, sampling=None):
         from qerl.rollout import RolloutOutput
 
+        if self.engine._stop_after is not None:  # a warm_up call
+            return self._generate(prompt_ids, n=n, sampling=sampling)
         lengths = self.lengths(len(prompt_ids) * n)
         self.engine._stop_after = max(lengths) - 1  # index of the last token sampled (the engine's warm_up knob)
         try:
-            out = self.engine.generate(prompt_ids, n=n, sampling=sampling)
+            out = self._generate(prompt_ids, n=n, sampling=sampling)
         finally:
             self.engine._stop_after = None
         return RolloutOutput(prompt_ids=out.prompt_ids, stats=out.stats,
@@ -223,7 +225,7 @@ def measure(spec: dict, args, on_part=None) -> dict:
     engine = trainer.engine
     if args.compile == "off":
         engine.use_compile = False
-    trainer.engine = ForcedLengths(engine, args.median, args.sigma, args.max_completion, args.seed)
+    ForcedLengths(engine, args.median, args.sigma, args.max_completion, args.seed)
     on_part(result)
     for rows in args.rollout_batches:
         def rollout(rows=rows):

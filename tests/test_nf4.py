@@ -71,7 +71,7 @@ def test_policy_over_nf4_trains_only_lora(source, nf4_dir, tiny_model_dir):
 TOY_REWARD = "def distinct_characters(completions, **kw):\n    return [len(set(c)) / 10.0 for c in completions]\n"
 
 
-def _train(nf4_dir, tmp_path, monkeypatch, device_dtype: str, steps: int):
+def _train(nf4_dir, tmp_path, monkeypatch, steps: int):
     """The train stage itself (qerl.train main, MLflow in sqlite under tmp) on the demo task; a random tiny model
     never answers right, so a reward on the text by import path gives the groups' advantages their variance."""
     from qerl.data import make_demo_task
@@ -86,7 +86,7 @@ def _train(nf4_dir, tmp_path, monkeypatch, device_dtype: str, steps: int):
            "rewards": ["nf4_toy_rewards:distinct_characters"],
            "num_generations": 2, "batch_size": 2, "micro_batch_size": 2, "max_steps": steps, "learning_rate": 5e-2,
            "max_prompt_length": 128, "max_completion_length": 4, "lora": {"lora_r": 2, "lora_alpha": 4},
-           "aqn": None, "dtype": device_dtype, "save_steps": steps}
+           "aqn": None, "dtype": "float32", "save_steps": steps}
     out = tmp_path / "adapter"
     main(["--experiment", "nf4", "--model", str(nf4_dir), "--out", str(out), "--checkpoint-dir",
           str(tmp_path / "ck"), "--config-json", json.dumps(cfg), "--results-dir", str(tmp_path / "res")])
@@ -95,17 +95,41 @@ def _train(nf4_dir, tmp_path, monkeypatch, device_dtype: str, steps: int):
 
 def test_train_stage_runs_qlora_nf4_on_cpu(nf4_dir, tmp_path, monkeypatch):
     if DEVICE != "cpu":
-        pytest.skip("the CPU run; test_train_stage_runs_qlora_nf4_on_gpu covers CUDA")
-    adapter = _train(nf4_dir, tmp_path, monkeypatch, "float32", steps=2)
+        pytest.skip("the CPU run; test_grpo_step_trains_qlora_nf4_on_gpu covers CUDA")
+    adapter = _train(nf4_dir, tmp_path, monkeypatch, steps=2)
     b = [v for k, v in adapter.items() if "lora_B" in k]
     assert len(b) == 14 and any(v.abs().max() > 0 for v in b)  # B starts at zero: the updates moved it
 
 
+def grpo_step(nf4_dir, tmp_path, device: str, dtype: torch.dtype) -> dict:
+    """One GRPO step of the trainer itself (rollout on the torch engine, then the update); returns its metrics
+    after checking that LoRA moved."""
+    from bench.e2e_workers import _random_reward
+    from qerl.config import TrainConfig
+    from qerl.policy import LoraSpec, load_policy
+    from qerl.trainer import GRPOTrainer
+
+    model, tok = load_policy(nf4_dir, mode="qlora_nf4", dtype=dtype, device=device, lora=LoraSpec(r=2, alpha=4),
+                             gradient_checkpointing=True)
+    cfg = TrainConfig(mode="qlora_nf4", data={"source": "bench"}, rewards=["bench.e2e_workers:_random_reward"],
+                      num_generations=4, batch_size=2, micro_batch_size=4, max_steps=1, max_completion_length=8,
+                      learning_rate=5e-2, gradient_checkpointing=True, aqn=None, lora={"lora_r": 2, "lora_alpha": 4})
+    prompts = [list(range(100, 116)), list(range(200, 212))]
+    trainer = GRPOTrainer(cfg, model, tok, prompts, ["0", "0"], [("random", _random_reward, 1.0)],
+                          checkpoint_dir=tmp_path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    batch = trainer.rollout(0)
+    metrics = trainer.update(batch, 0)
+    assert batch.input_ids.shape[0] == 8 and torch.isfinite(torch.tensor(metrics["loss"]))
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
+    return metrics
+
+
 @pytest.mark.gpu
-def test_train_stage_runs_qlora_nf4_on_gpu(nf4_dir, tmp_path, monkeypatch):
-    adapter = _train(nf4_dir, tmp_path, monkeypatch, "bfloat16", steps=1)
-    b = [v for k, v in adapter.items() if "lora_B" in k]
-    assert len(b) == 14 and any(v.abs().max() > 0 for v in b)
+def test_grpo_step_trains_qlora_nf4_on_gpu(nf4_dir, tmp_path):
+    """On CUDA in bf16: the torch engine's CUDA graphs over bitsandbytes layers, then the update (the stage CLI
+    around it needs MLflow, which the GPU image lacks)."""
+    grpo_step(nf4_dir, tmp_path, "cuda", torch.bfloat16)
 
 
 def test_nf4_errors_are_one_line(monkeypatch, tiny_model_dir, nvfp4_dir):

@@ -45,8 +45,9 @@ def test_each_method_writes_the_tables_schema(runs):
         if method != "qerl":
             continue
         assert set(doc["e2e_step_seconds"]) == {"1"} and doc["e2e_step_seconds"]["1"] > 0
-        step = doc["e2e"]["1"]["steps"][0]
-        assert step["rows"] == 2 and step["completion_len"] <= 5 and step["step_seconds"] > 0
+        step = doc["e2e"]["1"]["steps"][0]  # the trainer's own rollout path is forced too: the next draw of width 2
+        assert step["rows"] == 2 and step["step_seconds"] > 0
+        assert step["rollout_tokens"] == sum(draw_lengths(2, 3, 0.5, 5, (0, 2, 1)))
     assert docs["lora"]["weights"] == "checkpoint" and docs["qerl"]["weights"].startswith("random")
     # the 4-bit bases beside the same random model in float32: their decoder weights shrank, embeddings did not
     dense = state_dict_bytes(build_random_model("tiny", fp4=False, device="cpu", dtype=torch.float32))
@@ -82,25 +83,32 @@ def test_speedups_need_one_device(tmp_path):
 
 
 def test_forced_lengths_cut_rows_and_stop_after_the_longest():
+    from qerl.rollout import RolloutOutput
+
     class Engine:  # records the stop it was given; returns full-length rows
         _stop_after = None
+        seen = []
 
         def generate(self, prompts, n=1, sampling=None):
-            from qerl.rollout import RolloutOutput
-
-            self.seen = self._stop_after
+            self.seen.append(self._stop_after)
             rows = len(prompts) * n
             return RolloutOutput(prompt_ids=[[1]] * rows, completion_ids=[[7] * 9] * rows,
                                  logprobs=[[-1.0] * 9] * rows, finish_reasons=["length"] * rows)
 
-    inner = Engine()
-    forced = ForcedLengths(inner, median=4, sigma=0.8, cap=9, seed=1)
-    out = forced.generate([[1], [2]], n=2)
+        def policy_rollout(self, prompts, n):  # the trainer's way in: through the instance's generate
+            return self.generate(prompts, n=n)
+
+    engine = Engine()
+    ForcedLengths(engine, median=4, sigma=0.8, cap=9, seed=1)
+    out = engine.policy_rollout([[1], [2]], n=2)
     lengths = draw_lengths(4, 4, 0.8, 9, (1, 4, 0))
-    assert [len(c) for c in out.completion_ids] == lengths and inner.seen == max(lengths) - 1
-    assert out.finish_reasons == ["stop"] * 4 and inner._stop_after is None
-    assert forced.generate([[1], [2]], n=2).completion_ids != out.completion_ids or \
-        draw_lengths(4, 4, 0.8, 9, (1, 4, 1)) == lengths  # the next call of that width draws anew
+    assert [len(c) for c in out.completion_ids] == lengths and engine.seen == [max(lengths) - 1]
+    assert out.finish_reasons == ["stop"] * 4 and engine._stop_after is None
+    engine._stop_after = 3  # a warm_up call: passed through as it is, nothing drawn
+    assert len(engine.generate([[1]], n=2).completion_ids[0]) == 9 and engine.seen[-1] == 3
+    engine._stop_after = None
+    again = engine.generate([[1], [2]], n=2)
+    assert [len(c) for c in again.completion_ids] == draw_lengths(4, 4, 0.8, 9, (1, 4, 1))  # the next draw
 
 
 def test_experiments_come_from_the_config(capsys, tmp_path):
