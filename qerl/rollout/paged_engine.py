@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 
 from qerl.errors import QerlError
+from qerl.quant.dense_copies import attach_dense_copies, dense_copy_bytes, detach_dense_copies
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
+from qerl.quant.linear import DENSE_COPY_MIN_ROWS
 from qerl.rollout.attention import attention_implementation
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
 from qerl.rollout.kv_pool import BlockAllocator, KVPool, kv_shape
@@ -30,6 +32,7 @@ from qerl.rollout.scheduler import Scheduler, blocks_for, check_fits
 
 _MAX_BUCKET = 512  # largest decode bucket when max_num_seqs is None; more running rows decode unpadded
 
+_DENSE_COPY_FREE_FRACTION = 0.25  # "auto" keeps dense copies only if they leave >= 75% of free memory to the pool
 _RESERVE_SLACK = 512 * 2**20  # allocator fragmentation and library workspaces, on top of the estimated activations
 
 
@@ -46,12 +49,16 @@ class PagedEngine(RolloutEngine):
     graphs), as TorchEngine's; a compile failure warns and decodes uncompiled.
     lora_dtype, fuse_projections: as TorchEngine's, with its defaults ("auto": the model's compute dtype, and FP4 +
     dense projection groups, on CUDA only), in place around each call; graphs are captured with them in place.
+    dense_weights: keep a dequantized copy of the FP4 base weights for the rollout (qerl.quant.dense_copies;
+    steps of >= DENSE_COPY_MIN_ROWS rows run cuBLAS on it, fewer rows the FP4 kernels), made with the pool and
+    given back with it by sleep(): True, False, or "auto" = on CUDA when the call has that many rows and the
+    copies take at most a quarter of the free memory (7B on an 80 GB GPU: yes; 32B: no).
     """
 
     def __init__(self, model, tokenizer, *, block_size: int = 16, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.85, max_num_batched_tokens: int = 8192,
                  max_num_seqs: int | None = None, eos_token_ids=None, decode_buckets="auto",
-                 compile="auto", lora_dtype="auto", fuse_projections="auto"):
+                 compile="auto", lora_dtype="auto", fuse_projections="auto", dense_weights="auto"):
         for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise QerlError(f"PagedEngine.{name}: expected an int >= 1, got {value!r}")
@@ -67,6 +74,9 @@ class PagedEngine(RolloutEngine):
             raise QerlError(f"PagedEngine.lora_dtype: expected None, 'auto' or a torch.dtype, got {lora_dtype!r}")
         if fuse_projections not in (True, False, "auto"):
             raise QerlError(f"PagedEngine.fuse_projections: expected True, False or 'auto', got {fuse_projections!r}")
+        if dense_weights not in (True, False, "auto"):
+            raise QerlError(f"PagedEngine.dense_weights: expected True, False or 'auto', got {dense_weights!r}")
+        self.dense_weights, self.dense_bytes = dense_weights, 0
         self.model, self.tokenizer = model, tokenizer
         self.block_size, self.num_blocks = block_size, num_blocks
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -93,6 +103,8 @@ class PagedEngine(RolloutEngine):
         prompts = check_prompts(prompt_ids, n)
         if self.num_blocks is not None:  # known size: refuse before allocating anything
             check_fits(prompts, sampling.max_tokens, self.block_size, self.num_blocks)
+        if self.pool is None:  # the copies first, so that the pool is sized from what they leave
+            self._keep_dense_copies(len(prompts) * n)
         pool = self._pool_for(prompts, n, sampling.max_tokens)
         check_fits(prompts, sampling.max_tokens, self.block_size, pool.num_blocks)
         base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
@@ -110,7 +122,7 @@ class PagedEngine(RolloutEngine):
             while not sched.done():
                 self._step(sched, pool, sampling, uniforms, graphs)
         graph_stats = {k: v - before[k] for k, v in graphs.stats.items()} if graphs is not None else {}
-        self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes,
+        self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes, dense_copy_bytes=self.dense_bytes,
                           projection_groups=len(self._groups), **graph_stats)
         return RolloutOutput(
             prompt_ids=[p for p in prompts for _ in range(n)],
@@ -125,15 +137,36 @@ class PagedEngine(RolloutEngine):
 
     def unfuse_projections(self) -> None:
         """Give the grouped layers their own weights back; later calls run them one by one."""
+        self.release()  # dense copies are stacked per group
         ungroup_projections(self._groups)
         self._groups = []
         self._graphs, self._compiled = None, None  # captured / traced with the grouped layer forwards
 
     def release(self) -> None:
-        """Give the KV pool's memory back (the next call allocates a new one)."""
+        """Give the KV pool's and the dense copies' memory back (the next call allocates new ones)."""
+        self._release_pool()
+        if self.dense_bytes:
+            detach_dense_copies(self.model, self._groups)
+            self.dense_bytes = 0
+
+    def _release_pool(self) -> None:
         if self.pool is not None:
             self.pool.release()
-        self.pool, self._graphs = None, None  # graphs read the pool by address
+        self.pool, self._graphs = None, None  # graphs read the pool (and the dense copies) by address
+
+    def _keep_dense_copies(self, rows: int) -> None:
+        if self.dense_weights is False or self.dense_bytes:
+            return
+        need = dense_copy_bytes(self.model, compute_dtype(self.model))
+        if not need:
+            return
+        if self.dense_weights == "auto":
+            if self.device.type != "cuda" or rows < DENSE_COPY_MIN_ROWS:
+                return
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > _DENSE_COPY_FREE_FRACTION * free:
+                return
+        self.dense_bytes = attach_dense_copies(self.model, self._groups, compute_dtype(self.model))
 
     def sleep(self) -> None:
         """Between rollouts the pool's memory belongs to the update (the pool was sized from free memory)."""
@@ -248,7 +281,7 @@ class PagedEngine(RolloutEngine):
         if self.num_blocks is None and self.device.type != "cuda":  # CPU: room for every row, no preemption
             need = 1 + n * sum(blocks_for(len(p) + max_tokens - 1, self.block_size) for p in prompts)
             if self.pool is None or self.pool.num_blocks < need:
-                self.release()
+                self._release_pool()
                 self.pool = KVPool(self.model, self.block_size, need)
         elif self.pool is None:
             self.pool = KVPool(self.model, self.block_size, self.num_blocks, self.gpu_memory_utilization,
