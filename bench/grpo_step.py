@@ -4,9 +4,9 @@
 
 The step is the experiment's own train section from config/config.yaml (prompts per step, G, micro-batch, caps,
 LoRA rank, rollout engine and its memory knob, gradient checkpointing, offload); only `mode` differs between the
-two runs (qlora_fp4 with the recipe's AQN, lora without). --prompts / --completion-cap shrink it (said in the
-JSON). Weights are random Qwen2.5 tensors of the experiment's size (bench.random_models: speed and memory do not
-depend on the values); the reward is random within each group. Random weights never emit EOS, so each row ends at
+two runs (qlora_fp4 with the recipe's AQN, lora without). --prompts / --completion-cap shrink it and
+--num-iterations sets the policy updates per batch (all said in the JSON). Weights are random Qwen2.5 tensors of
+the experiment's size (bench.random_models: speed and memory do not depend on the values); the reward is random within each group. Random weights never emit EOS, so each row ends at
 a length drawn from a fixed log-normal (median --median, sigma --sigma, capped at the recipe's completion cap; the
 same draws for both modes): the paged engine finishes it there as if it had sampled EOS (bench.paged's
 ForcedLengthEngine).
@@ -42,6 +42,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--size", default=None, help="random model size (default: the experiment's model_size)")
     p.add_argument("--prompts", type=int, default=0, help="prompts per step (0: the recipe's batch_size)")
     p.add_argument("--completion-cap", type=int, default=0, help="0: the recipe's max_completion_length")
+    p.add_argument("--num-iterations", type=int, default=0, help="policy updates per rollout batch "
+                   "(0: the recipe's; each one is another pass over the step's rows)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--median", type=float, default=400.0)
     p.add_argument("--sigma", type=float, default=0.6)
@@ -63,6 +65,8 @@ def recipe(args):
         changes["batch_size"] = args.prompts
     if args.completion_cap:
         changes["max_completion_length"] = args.completion_cap
+    if args.num_iterations:
+        changes["num_iterations"] = args.num_iterations
     return exp.train.model_copy(update=changes), args.size or exp.model_size
 
 
