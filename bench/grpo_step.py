@@ -133,6 +133,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     engine.lengths = [min(k, args.warmup_tokens) for k in lengths]
     t = time.perf_counter()
     warm = trainer.rollout(0)
+    engine.sleep()  # as GRPOTrainer.train: the pool and dense copies go back before the update
     trainer.update(random_batch(cfg.micro_batch_size, args.prompt_len, cfg.max_completion_length,
                                 args.device, cfg.seed), 0)
     _sync(args.device)
@@ -145,16 +146,18 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     t = time.perf_counter()
     batch = trainer.rollout(1)
     rollout_peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
+    engine.sleep()
     metrics = trainer.update(batch, 1)
     _sync(args.device)
     step_s = time.perf_counter() - t
-    stats = engine.last_stats
+    stats = engine.last_stats  # the timed rollout's (dense_copy_bytes among them)
     floor = rollout_floor_bytes(model, lengths, args.prompt_len, int(stats.get("steps", 0)))
     rollout_s, update_s = batch.metrics["timing/rollout"], metrics["timing/update"]
     update_tokens = int(batch.attention_mask.sum())
     result = dict(mode=f"{mode}+lora", rows=len(lengths), useful_tokens=sum(lengths), warmup_s=warm_s,
                   rollout_s=rollout_s, rollout_tok_s=sum(lengths) / rollout_s, decode_steps=stats.get("steps"),
                   preemptions=stats.get("preemptions"), peak_running=stats.get("peak_running"),
+                  dense_copy_gib=stats.get("dense_copy_bytes", 0) / 2**30,
                   num_blocks=stats.get("num_blocks"), graph_captures_timed=stats.get("graph_captures"),
                   floor_bytes=floor, floor_s=floor / bandwidth, floor_pct=100 * floor / bandwidth / rollout_s,
                   update_s=update_s, update_tokens=update_tokens, update_tok_s=update_tokens / update_s,
