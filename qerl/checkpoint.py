@@ -8,8 +8,9 @@ Layout (one folder per run fingerprint, so a changed config never resumes anothe
 
 The fingerprint is a sha256 over three parts, each a sha256 itself:
   config  the train config section as canonical JSON, minus `save_steps` and `logging_steps` (they only say when to
-          save and log; a resumed run is bit-exact whatever they were) and `num_gpus` (the trainable state is the
-          same on every data-parallel rank, so a run resumes with another number of ranks);
+          save and log; a resumed run is bit-exact whatever they were) and `num_gpus` (a checkpoint holds the whole
+          trainable state whatever the rank count, gathered from FSDP2 shards in mode full, so a run resumes with
+          another number of ranks);
   data    the records training reads ({id, question, answer} as qerl.data.load_records returns them, after
           `limit`), so a local file, a parquet directory and a hub dataset are all identified by content;
   model   a content sha256 of every file of the model directory except stage reports (quantize.json): weights,
@@ -50,6 +51,8 @@ FINGERPRINT_FILE = "fingerprint.json"
 # keys of the train section that only say when to save and log, or over how many ranks the same batch is split
 # (equal up to float summation order): a checkpoint of one value resumes under another
 NON_DETERMINING_KEYS = ("save_steps", "logging_steps", "num_gpus")
+# optimizer options that say how it computes, not what it holds: a resumed run keeps its own
+IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 # written beside the weights by stages (timings change on every rerun) and never read by the model loader
 MODEL_REPORT_FILES = ("quantize.json", "report.json")
 
@@ -160,12 +163,13 @@ def _load(path: Path, mmap: bool = False) -> Any:
 
 
 def save_checkpoint(root: str | Path, step: int, model, optimizer, scheduler, state: dict[str, Any],
-                    keep: int = 2) -> Path:
-    """Write <root>/step-NNNNNN atomically; refuse (QerlError naming the tensor) when a value is not finite."""
+                    keep: int = 2, gathered: tuple[dict, dict] | None = None) -> Path:
+    """Write <root>/step-NNNNNN atomically; refuse (QerlError naming the tensor) when a value is not finite.
+    gathered: (trainable tensors by name, optimizer state dict) already gathered from sharded ranks (qerl.fsdp),
+    instead of the model's and optimizer's own."""
     root = Path(root)
-    tensors = trainable_state(model)
-    optim = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "torch_rng": torch.get_rng_state()}
+    tensors, optim_state = gathered or (trainable_state(model), optimizer.state_dict())
+    optim = {"optimizer": optim_state, "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
     bad = first_nonfinite(("trainable", tensors), ("optimizer state", optim["optimizer"]["state"]))
     if bad:
         raise NonFiniteState(f"non-finite values in {bad}")
@@ -206,22 +210,36 @@ def is_finite_checkpoint(path: str | Path) -> bool:
     return first_nonfinite(("trainable", tensors), ("optimizer state", optim["optimizer"]["state"])) is None
 
 
-def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict[str, Any]:
-    """Restore tensors and states in place; return the trainer state (with 'step' = steps completed)."""
+def load_checkpoint(path: str | Path, model, optimizer, scheduler, restore=None) -> dict[str, Any]:
+    """Restore tensors and states in place; return the trainer state (with 'step' = steps completed).
+    restore(tensors, optimizer state, optimizer): how sharded ranks take them (qerl.fsdp), instead of copying
+    into the model's parameters and optimizer.load_state_dict."""
     path = Path(path)
-    tensors = _load(path / "trainable.pt")
-    optim = _load(path / "optim.pt")
+    mmap = restore is not None  # every rank reads: the page cache holds one copy of a whole model's state
+    tensors = _load(path / "trainable.pt", mmap=mmap)
+    optim = _load(path / "optim.pt", mmap=mmap)
     bad = first_nonfinite(("trainable", tensors), ("optimizer state", optim["optimizer"]["state"]))
     if bad:
         raise QerlError(f"{path}: non-finite values in {bad}; delete this checkpoint")
+    if restore is not None:
+        restore(tensors, optim["optimizer"], optimizer)
+    else:
+        _restore_in_place(tensors, optim["optimizer"], model, optimizer)
+    scheduler.load_state_dict(optim["scheduler"])
+    torch.set_rng_state(optim["torch_rng"])
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def _restore_in_place(tensors: dict, optim_state: dict, model, optimizer) -> None:
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in tensors.items():
             params[name].copy_(value.to(params[name].device))
-    optimizer.load_state_dict(optim["optimizer"])
-    scheduler.load_state_dict(optim["scheduler"])
-    torch.set_rng_state(optim["torch_rng"])
-    return json.loads((path / "trainer_state.json").read_text())
+    # how the optimizer computes (fused on one GPU, foreach under FSDP) stays this run's: a checkpoint of
+    # another rank count carries the other's
+    groups = [{**g, **{k: mine[k] for k in IMPLEMENTATION_KEYS if k in mine}}
+              for g, mine in zip(optim_state["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({**optim_state, "param_groups": groups})
 
 
 # ------------------------------------------------------------------------------------------ one run's folder
@@ -235,11 +253,12 @@ class CheckpointRun:
     def checkpoints(self) -> list[Path]:
         return list_checkpoints(self.dir)
 
-    def save(self, step: int, model, optimizer, scheduler, state: dict[str, Any]) -> Path:
+    def save(self, step: int, model, optimizer, scheduler, state: dict[str, Any],
+             gathered: tuple[dict, dict] | None = None) -> Path:
         if not (self.dir / FINGERPRINT_FILE).is_file():
             atomic_write_json(self.dir / FINGERPRINT_FILE, {**self.fingerprint.to_json(), **self.fingerprint.about})
         return save_checkpoint(self.dir, step, model, optimizer, scheduler,
-                               {**state, "fingerprint": self.fingerprint.to_json()})
+                               {**state, "fingerprint": self.fingerprint.to_json()}, gathered=gathered)
 
     def resumable(self) -> Path | None:
         """The newest checkpoint whose stored fingerprint is this run's; every other one is skipped with its reason."""

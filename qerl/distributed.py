@@ -24,6 +24,7 @@ H200s, torch 2.11, the watchdog wrote its debug dump for about a minute past the
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -173,6 +174,43 @@ def _buckets(tensors: list[torch.Tensor]):
 
 
 SINGLE = Ranks()
+
+
+class Replicated:
+    """Every rank holds the whole trainable state (LoRA modes, or one rank): the trainable gradients all-reduced
+    explicitly, the engine rolls out the very model, checkpoints read the model and optimizer as they are. The
+    sharded counterpart, for mode full on several ranks, is qerl.fsdp.FullySharded."""
+
+    sharded = False
+
+    def __init__(self, model: torch.nn.Module, ranks: Ranks):
+        self.model, self.ranks = model, ranks
+
+    @property
+    def rollout_model(self) -> torch.nn.Module:
+        return self.model
+
+    def run(self, fn, *args):
+        return fn(*args)
+
+    def optimizer_options(self) -> dict:
+        return {}
+
+    def start(self, params: list[torch.nn.Parameter]) -> None:
+        self.ranks.broadcast_params(params)  # rank 0's start, whatever each rank's init drew
+
+    def reduce_and_clip(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        self.ranks.all_reduce_grads(params)
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    @contextlib.contextmanager
+    def gathered(self):
+        yield self.model
+
+    def checkpoint_state(self, optimizer) -> None:
+        return None  # qerl.checkpoint reads the model and optimizer itself
+
+    restore = None
 
 
 def init_ranks(expected: int) -> Ranks:

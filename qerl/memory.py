@@ -6,18 +6,22 @@ Per rank, for the Qwen2.5 shapes of `model_size` (SmolLM2-135M for 0.1B); S = ma
 max_completion_length, the longest row; D = bytes of train.dtype (4 for float32, else 2):
   weights      linear layers x the scheme's bytes per parameter (bf16: D; nvfp4: 4.5 bits; mxfp4: 4.25; nf4:
                4.127) + embeddings and lm_head in D bytes. mode full: every parameter x 4 D (weight, gradient and
-               AdamW's two states in the model's dtype), a whole replica on every rank (FSDP2 sharding is not built)
+               AdamW's two states in the model's dtype) / num_gpus: FSDP2 shards them over the ranks (qerl.fsdp)
   adapter      LoRA parameters (r x (in + out) of each target projection of each layer) x 16 (fp32 weight,
                gradient and AdamW's two states)
   rollout      torch engine: its static KV cache holds every row of the rank at once, rows x S x 2 x layers x
                kv_heads x head_dim x D; vllm: rollout.gpu_memory_utilization of the card; paged: 0, since its pool
                takes that fraction of the memory left free and goes back before the update (it must hold one
                whole row: S x 2 x layers x kv_heads x head_dim x D, checked apart)
+  gathered     mode full on N > 1 ranks: the whole model gathered for the rollout engine, every parameter x D; it
+               is freed before the update, so it counts against activations + the update's gathered FSDP units
+               (embeddings and lm_head, two decoder layers, each with its unsharded gradient: x 2 D), not beside
   activations  micro_batch_size x S tokens x [gradient checkpointing: layers x hidden x D (each layer's saved
                input; none with offload_activations) + one layer's saved tensors (6 hidden + 4 intermediate /
                mlp_chunks) x D; without: layers x those tensors] + the lm_head chunk (logprob_chunk_size x vocab
                x 12 bytes: fp32 log-softmax, its gradient and the entropy buffer)
   overhead     3 GiB (CUDA context, allocator slack, NCCL buffers)
+total = weights + adapter + rollout + max(gathered, activations) + overhead.
 A card is taken as 80 GiB. The estimate is rough (within tens of percent); it exists to refuse what cannot fit,
 and to name how many GPUs an experiment needs.
 """
@@ -74,8 +78,13 @@ def rank_memory_gib(shape: Shape, scheme: str, train, num_gpus: int) -> dict[str
     d = 4 if train.dtype == "float32" else 2
     tokens = train.max_prompt_length + train.max_completion_length
     params = shape.linear_params + shape.embedding_params
+    sharded = train.mode == "full" and num_gpus > 1
+    gathered = params * d if sharded else 0.0
+    # what FSDP holds unsharded during the update: the root unit (embeddings, lm_head) and a layer plus the
+    # prefetched next one, each with its gradient before the reduce-scatter
+    units = (shape.embedding_params + 2 * shape.linear_params / shape.layers) * 2 * d if sharded else 0.0
     if train.mode == "full":
-        weights = params * 4 * d
+        weights = params * 4 * d / num_gpus
         adapter = 0.0
     else:
         weights = shape.linear_params * (_BITS[scheme] / 8 if scheme in _BITS else d) + shape.embedding_params * d
@@ -95,11 +104,14 @@ def rank_memory_gib(shape: Shape, scheme: str, train, num_gpus: int) -> dict[str
         per_token = saved_inputs + layer
     else:
         per_token = shape.layers * layer
-    activations = train.micro_batch_size * tokens * per_token + train.logprob_chunk_size * shape.vocab * 12
-    terms = {"weights": weights, "adapter": adapter, "rollout": rollout, "activations": activations}
+    activations = train.micro_batch_size * tokens * per_token + train.logprob_chunk_size * shape.vocab * 12 + units
+    terms = {"weights": weights, "adapter": adapter, "rollout": rollout, "gathered": gathered,
+             "activations": activations}
     out = {k: v / _GIB for k, v in terms.items()}
     out["overhead"] = OVERHEAD_GIB
-    out["total"] = sum(out.values())
+    # the gathered copy lives during rollouts, the activations during the update
+    out["total"] = out["weights"] + out["adapter"] + out["rollout"] + max(out["gathered"], out["activations"]) \
+        + OVERHEAD_GIB
     return out
 
 
@@ -121,6 +133,9 @@ def gpus_needed(shape: Shape, scheme: str, train) -> int | None:
 def check_fits(model_size: str | None, scheme: str, train) -> None:
     """Raise ValueError naming the GPUs needed when the experiment cannot fit train.num_gpus cards; experiments
     without a model_size of known shape are not estimated."""
+    if train.mode == "full" and train.num_gpus > 1 and getattr(train, "optim", "adamw_torch") != "adamw_torch":
+        raise ValueError(f"mode full on {train.num_gpus} GPUs shards the optimizer states with FSDP2 (qerl/fsdp.py), "
+                         f"which train.optim {train.optim}'s 8-bit states do not support: set optim: adamw_torch")
     shape = SHAPES.get(model_size or "")
     if shape is None:
         return
@@ -129,15 +144,13 @@ def check_fits(model_size: str | None, scheme: str, train) -> None:
         if train.rollout.engine == "paged":
             _check_pool_holds_a_row(shape, train, est)
         return
-    parts = ", ".join(f"{k} {est[k]:.0f}" for k in ("weights", "adapter", "rollout", "activations"))
+    parts = ", ".join(f"{k} {est[k]:.0f}" for k in ("weights", "adapter", "rollout", "gathered", "activations")
+                      if k != "gathered" or est[k])
     head = (f"needs ~{est['total']:.0f} GiB per GPU with num_gpus {train.num_gpus} ({parts} GiB; "
             f"qerl/memory.py), more than an {GPU_GIB:.0f} GiB card")
     need = gpus_needed(shape, scheme, train)
     if need is not None:
         raise ValueError(f"{head}: set num_gpus: {need}")
-    if train.mode == "full" and est["total"] - est["rollout"] > GPU_GIB:  # no rank count helps
-        raise ValueError(f"{head}, whatever num_gpus: mode full keeps a whole model and its AdamW states on every "
-                         "rank and needs FSDP2 sharding (not built yet)")
     raise ValueError(f"{head}, and no num_gpus up to {MAX_GPUS_PER_NODE} (one node) fits: lower micro_batch_size, "
                      "max_completion_length or batch_size, or use gradient_checkpointing / offload_activations")
 
@@ -147,7 +160,8 @@ def _check_pool_holds_a_row(shape: Shape, train, est: dict[str, float]) -> None:
     d = 4 if train.dtype == "float32" else 2
     row = (train.max_prompt_length + train.max_completion_length) * 2 * shape.layers * shape.kv_heads \
         * shape.head_dim * d / _GIB
-    pool = train.rollout.gpu_memory_utilization * (GPU_GIB - est["weights"] - est["adapter"] - est["overhead"])
+    pool = train.rollout.gpu_memory_utilization * (GPU_GIB - est["weights"] - est["adapter"] - est["gathered"]
+                                                   - est["overhead"])
     if pool < row:
         raise ValueError(f"rollout.gpu_memory_utilization {train.rollout.gpu_memory_utilization}: a ~{pool:.1f} GiB "
                          f"KV pool cannot hold one row of max_prompt_length + max_completion_length tokens "

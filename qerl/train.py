@@ -18,6 +18,7 @@ the same arguments (the workflow's train rule does it):
     torchrun --standalone --nproc-per-node 2 -m qerl.train --experiment demo ...
 
 Rank 0 alone logs to MLflow and writes checkpoints and the adapter; a checkpoint resumes under any rank count.
+train.mode full shards parameters, gradients and AdamW states over the ranks with FSDP2 (qerl.fsdp).
 """
 from __future__ import annotations
 
@@ -88,7 +89,9 @@ def _setup_model(cfg, model_dir: str):
     from qerl.trainer import resolve_device_dtype
 
     device, dtype = resolve_device_dtype(cfg.dtype)
-    if device == "cuda":  # this rank's GPU (qerl.distributed set it), also for loaders that read "cuda" as cuda:0
+    if cfg.mode == "full" and cfg.num_gpus > 1:  # FSDP2 moves each unit's shards to the GPU as it shards it
+        device = "cpu"
+    elif device == "cuda":  # this rank's GPU (qerl.distributed set it), also for loaders that read "cuda" as cuda:0
         import torch
 
         device = f"cuda:{torch.cuda.current_device()}"
@@ -148,13 +151,15 @@ def write_history(history: list[dict], out_dir: Path) -> None:
     plt.close(fig)
 
 
-def save_outputs(trainer, tokenizer, cfg, out: str) -> None:
+def save_outputs(trainer, tokenizer, cfg, out: str, model=None) -> None:
+    """model: what to save (default trainer.model; under FSDP the plain model gathered from the shards)."""
+    model = trainer.model if model is None else model
     with atomic_dir(out) as tmp:
-        trainer.model.save_pretrained(tmp)
+        model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if cfg.train_norms and cfg.mode != "full":
             from qerl.checkpoint import save_trained_norms
-            save_trained_norms(trainer.model, tmp)
+            save_trained_norms(model, tmp)
         state = {"total_steps": trainer.total_steps, "mode": cfg.mode, "log_history": trainer.log_history}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         write_history(trainer.log_history, tmp)
@@ -188,6 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     ranks = init_ranks(cfg.num_gpus)
     if not ranks.is_main:  # one log: rank 0's
         logging.getLogger().setLevel(logging.WARNING)
+    if ranks.enabled:
+        import torch.distributed as dist
+
+        log.info("data parallel over %d ranks (torch.distributed backend %s; %s)", ranks.world_size,
+                 dist.get_backend(), "FSDP2 shards of every weight" if cfg.mode == "full" else "replicated weights")
     try:
         _train(args, cfg, ranks)
     finally:
@@ -222,15 +232,16 @@ def _train(args, cfg, ranks) -> None:
         if args.resume:
             trainer.resume()
         history = trainer.train()
-        if ranks.is_main:
-            _save_and_log(trainer, tokenizer, cfg, args.out, run, history)
-        ranks.barrier()  # no rank exits (and tears the group down) before the adapter is written
+        with trainer.parallel.gathered() as whole:  # FSDP: every rank gathers, rank 0 writes the plain model
+            if ranks.is_main:
+                _save_and_log(trainer, whole, tokenizer, cfg, args.out, run, history)
+            ranks.barrier()  # no rank exits (and tears the group down) before the adapter is written
     if ranks.is_main:
         print(f"trained {trainer.total_steps} steps -> {args.out}")
 
 
-def _save_and_log(trainer, tokenizer, cfg, out: str, run, history: list[dict]) -> None:
-    save_outputs(trainer, tokenizer, cfg, out)
+def _save_and_log(trainer, model, tokenizer, cfg, out: str, run, history: list[dict]) -> None:
+    save_outputs(trainer, tokenizer, cfg, out, model)
     for name in ("trainer_state.json", "metrics.csv", "training_curves.png"):
         run.log_artifact(Path(out) / name)
     run.log_artifact(Path(out), artifact_path="adapter")

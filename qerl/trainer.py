@@ -6,6 +6,7 @@ chunk -> clipped token loss (+ TIS, + KL) -> LoRA update, `num_iterations` times
 Metrics keep TRL's names. Everything random derives from (seed, step), so a resumed run equals an unbroken one.
 Data parallel (qerl.distributed, torchrun): each rank rolls out and trains on its share of the step's prompt
 groups; rewards, the loss normaliser, gradients and metrics are combined so N ranks give the 1-rank result.
+Mode full on several ranks shards the model with FSDP2 (qerl.fsdp) and rolls out on a gathered copy.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from qerl.aqn import aqn_noise, aqn_sigma, aqn_stage, rmsnorm_noise_targets, sample_noise
+from qerl.aqn import aqn_sigma, aqn_stage
 from qerl.checkpoint import CheckpointRun, NonFiniteState, load_checkpoint
 from qerl.distributed import SINGLE, Ranks
 from qerl.errors import QerlError
+from qerl.fsdp import data_parallel
 from qerl.grpo import group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.optim import build_optimizer
 from qerl.prefix import grouped_token_logprobs
@@ -108,7 +110,6 @@ class GRPOTrainer:
         self.log_metrics = log_metrics or (lambda m, s: None)
         self.ranks = ranks
         ranks.share(cfg.batch_size, "prompts of a step (train.batch_size)")  # fails early when uneven
-        self.device = next(p for p in model.parameters()).device
         if cfg.fused_elementwise:  # before tiling: a tiled MLP's slices then run the compiled activation
             from qerl.fused_elementwise import fuse_elementwise
 
@@ -117,20 +118,22 @@ class GRPOTrainer:
             from qerl.tiled_mlp import tile_mlps
 
             tile_mlps(model, cfg.mlp_chunks)
+        self.parallel = data_parallel(model, cfg, ranks)  # after the forward swaps: they probe the weights
+        self.device = next(p for p in model.parameters()).device
         self.total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * len(prompts) / cfg.batch_size)
         params = self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise QerlError("model has no trainable parameters (check train.mode and lora settings)")
         # fused on CUDA (as TRL's default adamw_torch_fused): one kernel per step instead of foreach's chains
-        fused = all(p.is_cuda for p in params) or None
-        self.optimizer = build_optimizer(model, params, cfg, fused=fused)  # train.optim, betas, decay groups
+        options = self.parallel.optimizer_options() or {"fused": all(p.is_cuda for p in params) or None}
+        self.optimizer = build_optimizer(model, params, cfg, **options)  # train.optim, betas, decay groups
         from transformers import get_scheduler
 
         updates = self.total_steps * cfg.num_iterations
         self.scheduler = get_scheduler(cfg.lr_scheduler_type, self.optimizer,
                                        num_warmup_steps=math.ceil(cfg.warmup_ratio * updates),
                                        num_training_steps=updates)
-        self.engine = make_engine(cfg.rollout.engine, model, tokenizer, **engine_options(cfg))
+        self.engine = make_engine(cfg.rollout.engine, self.parallel.rollout_model, tokenizer, **engine_options(cfg))
         self.step, self.log_history = 0, []
         self._perms: dict[int, torch.Tensor] = {}
 
@@ -188,17 +191,11 @@ class GRPOTrainer:
         return batch
 
     def _generate(self, step: int, prompts: list[list[int]], sampling: SamplingParams, sigma: float):
-        """The engine's rollout of `prompts` under this step's AQN noise (the same vector on every rank)."""
+        """The engine's rollout of `prompts` from the trained weights (under FSDP, their gathered copy) with this
+        step's AQN noise (the same vector on every rank)."""
         noise_gen = torch.Generator().manual_seed(_step_seed(self.cfg.seed, step, 2))
-        if hasattr(self.engine, "update_policy"):  # vllm: its own weights get this step's adapter and noise
-            targets = rmsnorm_noise_targets(self.model) if sigma > 0 else []
-            vecs = sample_noise({n: p.shape for n, p in targets}, sigma, noise_gen) if sigma > 0 else None
-            noise_stats = self.engine.update_policy(self.model, vecs)
-            return self.engine.generate(prompts, n=self.cfg.num_generations, sampling=sampling), noise_stats
-        # torch engine: the rollout runs the very modules being trained, noise applied in place
-        with aqn_noise(self.model, sigma, noise_gen) as noise:
-            out = self.engine.generate(prompts, n=self.cfg.num_generations, sampling=sampling)
-        return out, {"aqn/applied_rms": noise.applied_rms, "aqn/changed_fraction": noise.changed_fraction}
+        with self.parallel.gathered() as policy:
+            return self.engine.policy_rollout(policy, prompts, self.cfg.num_generations, sampling, sigma, noise_gen)
 
     def _reward_metrics(self, table: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
         """Reward and completion metrics of the whole step from its (rows, reward functions + 2) table: each
@@ -283,7 +280,7 @@ class GRPOTrainer:
 
     def logprobs(self, batch: Batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         with self._forward_precision():
-            return self._logprobs(batch, rows)
+            return self.parallel.run(self._logprobs, batch, rows)  # the FSDP root's forward when sharded
 
     def _logprobs(self, batch: Batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         temperature = max(self.cfg.rollout.temperature, 1e-6)
@@ -352,8 +349,7 @@ class GRPOTrainer:
                 metrics.update(lm, loss=loss.detach(), entropy=masked_mean(ent, mask))
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) / (len(slices) * cfg.num_iterations)
-            self.ranks.all_reduce_grads(self.trainable)
-            sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.max_grad_norm))
+            sums["grad_norm"] = self.parallel.reduce_and_clip(self.trainable, cfg.max_grad_norm)
             if not math.isfinite(sums["grad_norm"]):  # clipping scaled the gradients by nan: never apply them
                 raise QerlError(f"non-finite gradient norm at step {step + 1} (update not applied); the last good "
                                 f"checkpoint is {self.last_good_checkpoint()}")
@@ -383,19 +379,22 @@ class GRPOTrainer:
         if found is None:
             log.info("no checkpoint of this config, data and model in %s: starting fresh", run.dir)
             return
-        state = load_checkpoint(found, self.model, self.optimizer, self.scheduler)  # on every rank: any count
+        state = load_checkpoint(found, self.model, self.optimizer, self.scheduler,  # on every rank: any count
+                                restore=self.parallel.restore)
         self.step, self.log_history = state["step"], state.get("log_history", [])
         for row in self.log_history:
             self.log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
         log.info("resumed from %s (step %d of %d)", found, self.step, self.total_steps)
 
     def save(self) -> Path:
-        """Rank 0 writes (the trainable state is the same on every rank); the others wait until it is on disk."""
+        """Rank 0 writes (the trainable state is the same on every rank, or gathered from the FSDP shards); the
+        others wait until it is on disk."""
         run = self._checkpoint_run()
+        gathered = self.parallel.checkpoint_state(self.optimizer)  # a collective under FSDP
         if self.ranks.is_main:
             try:
                 run.save(self.step, self.model, self.optimizer, self.scheduler,
-                         {"log_history": self.log_history, "total_steps": self.total_steps})
+                         {"log_history": self.log_history, "total_steps": self.total_steps}, gathered=gathered)
             except NonFiniteState as err:
                 raise QerlError(f"{err} after step {self.step} (checkpoint not written); the last good checkpoint "
                                 f"is {self.last_good_checkpoint()}") from None
@@ -405,7 +404,7 @@ class GRPOTrainer:
     def train(self) -> list[dict[str, Any]]:
         from tqdm.auto import tqdm
 
-        self.ranks.broadcast_params(self.trainable)  # rank 0's start, whatever each rank's init drew
+        self.parallel.start(self.trainable)  # replicas: rank 0's start, whatever each rank's init drew
         bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True,
                    disable=not self.ranks.is_main)
         while self.step < self.total_steps:

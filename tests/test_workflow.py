@@ -158,11 +158,27 @@ def test_memory_estimate_refuses_too_few_gpus_and_names_how_many():
         parse_config(raw)
 
 
-def test_full_training_that_no_rank_count_fits_says_fsdp2():
+def test_full_training_is_sharded_over_its_gpus_by_the_estimate():
+    """mode full on N ranks: weights, gradients and AdamW states / N (FSDP2) plus the whole model gathered for the
+    rollouts; too few GPUs names how many fit, and 8-bit AdamW (whose states FSDP2 cannot shard) is refused."""
+    from qerl.memory import SHAPES, rank_memory_gib
+
     raw = _repo_raw()
-    raw["experiments"]["qwen7b"]["quantize"] = {"scheme": "bf16"}
-    raw["experiments"]["qwen7b"]["train"] = {**raw["experiments"]["qwen7b"]["train"], "mode": "full", "aqn": None}
-    with pytest.raises(QerlError, match=r"whatever num_gpus: mode full .* needs FSDP2 sharding \(not built yet\)"):
+    train = parse_config(raw).experiments["qwen7b-bf16-full"].train
+    assert (train.mode, train.num_gpus, train.optim) == ("full", 2, "adamw_torch")
+    one, two = (rank_memory_gib(SHAPES["7B"], "bf16", train, n) for n in (1, 2))
+    assert two["weights"] == pytest.approx(one["weights"] / 2) and one["gathered"] == 0
+    assert two["gathered"] == pytest.approx(one["weights"] / 4)  # the bf16 weights alone: a quarter of w + g + 2 m
+    raw["experiments"]["qwen7b-bf16-full"]["train"] = {**raw["experiments"]["qwen7b-bf16-full"]["train"],
+                                                       "num_gpus": 1}
+    with pytest.raises(QerlError, match=r"experiments\.qwen7b-bf16-full: train\.num_gpus: needs ~\d+ GiB per GPU "
+                                        r"with num_gpus 1 .*: set num_gpus: 2$"):
+        parse_config(raw)
+    raw = _repo_raw()
+    raw["experiments"]["qwen7b-bf16-full"]["train"] = {**raw["experiments"]["qwen7b-bf16-full"]["train"],
+                                                       "optim": "adamw_8bit"}
+    with pytest.raises(QerlError, match=r"mode full on 2 GPUs shards the optimizer states with FSDP2 .*: set optim: "
+                                        r"adamw_torch"):
         parse_config(raw)
 
 
@@ -182,11 +198,11 @@ def test_the_paper_rows_fit_one_gpu_with_the_paged_engine():
 
 
 def test_rows_kept_out_of_experiments_really_do_not_fit():
-    """config.yaml parks the paper rows that need more than one node (or FSDP2) under `_not_runnable_yet`; each
-    one, put back under experiments, is refused by the estimate (move it back once it fits)."""
+    """config.yaml parks the paper rows that need more than one node under `_not_runnable_yet`; each one, put back
+    under experiments, is refused by the estimate (move it back once it fits)."""
     raw = _repo_raw()
     parked = raw["_not_runnable_yet"]
-    assert {"qwen7b-bf16-full", "qwen32b-math-bf16-full"} <= set(parked)
+    assert set(parked) == {"qwen32b-math-bf16-full"}  # 7B and 14B full fit 2 and 4 GPUs under FSDP2
     for name, exp in parked.items():
         with pytest.raises(QerlError, match=rf"experiments\.{re.escape(name)}: train\.num_gpus: needs"):
             parse_config({**raw, "experiments": {**raw["experiments"], name: exp}})

@@ -1,8 +1,9 @@
 """The shrunken pipeline on a real single-node SLURM (`bash .ci/slurm.sh start`), through Snakemake's executor.
 
 Proves each stage ran as its own SLURM job (the executor's per-job SLURM log, and the job's final state from
-sacct, or slurmctld's job-completion log, or squeue's history) and that a failed or killed job is retried per
-profile until the workflow completes. Skipped where `sinfo` does not answer.
+sacct, or slurmctld's job-completion log, or squeue's history), that the train job ran data parallel over 2
+processes (train.num_gpus 2: torchrun inside the job, gloo on a node without GPUs), and that a failed or killed job
+is retried per profile until the workflow completes. Skipped where `sinfo` does not answer.
 """
 from __future__ import annotations
 
@@ -99,7 +100,9 @@ def wait_until(predicate, timeout: float, what: str):
 def slurm_pipeline(tmp_path_factory, tokenizer_dir, data_dir):
     work = tmp_path_factory.mktemp("e2e_slurm")
     (work / "config").mkdir()
-    (work / "config" / "config.yaml").write_text(yaml.safe_dump(tiny_config(tokenizer_dir, data_dir)))
+    cfg = tiny_config(tokenizer_dir, data_dir)
+    cfg["experiments"]["tiny"]["train"]["num_gpus"] = 2  # one prompt group per rank
+    (work / "config" / "config.yaml").write_text(yaml.safe_dump(cfg))
     t0 = time.time()
     proc = snakemake(work)
     if proc.returncode != 0:
@@ -135,6 +138,16 @@ def test_every_stage_ran_as_a_completed_slurm_job(slurm_pipeline):
     # Nothing but the target rule ran on the submit host.
     assert set(re.findall(r"^localrule (\w+):", log, re.M)) <= {"all"}
     assert sorted(re.findall(r"submitted with SLURM jobid (\d+)", log)) == sorted(ids)
+
+
+def test_the_train_job_ran_two_ranks_under_torchrun(slurm_pipeline):
+    work, _ = slurm_pipeline
+    (jobid,) = slurm_jobs(work)["train"]
+    job_log = next((work / ".snakemake" / "slurm_logs").rglob(f"{jobid}.log")).read_text()
+    assert "-m torch.distributed.run --standalone --nproc-per-node 2 -m qerl.train" in job_log, job_log[-2000:]
+    train_log = (work / "logs" / "tiny" / "train.log").read_text()
+    assert "data parallel over 2 ranks (torch.distributed backend gloo" in train_log, train_log[-2000:]
+    assert train_log.count("step 3/3:") == 1  # rank 0 alone logs
 
 
 RETRY_SNAKEFILE = """
