@@ -1,0 +1,269 @@
+"""One GRPO step (rollout + update) of a random 7B model on 1 and 2 GPUs: data-parallel speed-up and memory per GPU.
+
+    python -m bench.distributed --out results/bench/distributed.json      # from the repository root, 2 GPUs
+
+Three cases, each its own process group (torchrun for 2 ranks), one after the other:
+  fp4-lora x1   random Qwen2.5-7B, NVFP4 base + LoRA r 32 (bench.random_models), the global batch on 1 GPU
+  fp4-lora x2   the same model and global batch over 2 ranks (qerl.distributed: each rank rolls out half the
+                prompt groups, LoRA gradients all-reduced)
+  full x2       random bf16 Qwen2.5-7B, every weight trained, sharded by FSDP2 over 2 ranks (qerl.fsdp: rollouts on
+                the whole model gathered per step, parameters / gradients / AdamW states 1/2 per rank)
+Each case runs qerl.trainer.GRPOTrainer (paged rollout engine, gradient checkpointing, the recipe's loss) on
+--prompts x --group rows of --prompt-len random prompt tokens. Random weights never emit EOS, so row r ends at a
+completion length drawn once from a log-normal (median --median, sigma --sigma, capped at --max-tokens; the
+rollout benchmarks' distribution, bench.paged): the same lengths in every case, each rank taking its rows' share.
+One untimed step (rows cut to --warmup-tokens: compiles, captures decode graphs, creates AdamW's states), then one
+timed step: step seconds (the slowest rank), tokens/s (generated tokens / step seconds), rollout and update
+seconds, peak allocated GPU memory of every rank during the timed step; speed-up = fp4-lora x1 / fp4-lora x2 step
+seconds. Prints a table and writes JSON atomically after each case (a case cut short keeps the others).
+
+CPU smoke run (gloo, a tiny model; tests/bench/test_distributed_bench.py): python -m bench.distributed --size tiny
+    --prompts 4 --group 2 --prompt-len 8 --max-tokens 6 --median 4 --micro-batch 2 --lora-r 4 --warmup-tokens 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CASES = {"fp4-lora-x1": ("fp4", 1), "fp4-lora-x2": ("fp4", 2), "full-x2": ("full", 2)}
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    p.add_argument("--size", default="7B", help="7B | 14B | 32B | tiny (CPU smoke runs)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step (the global batch)")
+    # not --n: torchrun reads an option abbreviating its own (--nnodes, --nproc-per-node) anywhere on its line
+    p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=1024, help="max_completion_length, the lengths' cap")
+    p.add_argument("--median", type=float, default=400.0, help="median completion length of the log-normal")
+    p.add_argument("--sigma", type=float, default=0.6, help="sigma of log(length)")
+    p.add_argument("--micro-batch", type=int, default=16, help="rows per forward/backward")
+    p.add_argument("--lora-r", type=int, default=32)
+    p.add_argument("--warmup-tokens", type=int, default=32, help="the untimed step's rows end after this many")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="paged KV pool: fraction of free memory")
+    p.add_argument("--timeout-s", type=float, default=280, help="per case (the three fit 10 minutes)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default="../shared/tokenizers/qwen2.5", help="the real Qwen2.5 tokenizer dir")
+    p.add_argument("--out", default="results/bench/distributed.json")
+    p.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ one case, inside its process group
+def _random_reward(completions, **kwargs) -> list[float]:
+    """Rewards that differ inside every group, fixed per row (so advantages and the loss are non-zero)."""
+    return torch.rand(len(completions), generator=torch.Generator().manual_seed(len(completions))).tolist()
+
+
+def _model(args, mode: str, device: str, dtype: torch.dtype):
+    from bench.random_models import attach_lora, build_random_model
+
+    if mode == "fp4":
+        model = build_random_model(args.size, fp4=True, device=device, dtype=dtype, seed=args.seed)
+        return attach_lora(model, r=args.lora_r, alpha=2 * args.lora_r, fp4=True, gradient_checkpointing=True)
+    model = build_random_model(args.size, fp4=False, device=device, dtype=dtype, seed=args.seed)
+    model.requires_grad_(True).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _trainer(args, mode: str, ranks, tokenizer, prompts):
+    from bench.paged import ForcedLengthEngine
+    from qerl.config import TrainConfig
+    from qerl.trainer import GRPOTrainer, engine_options
+
+    on_cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    cfg = TrainConfig(mode="qlora_fp4" if mode == "fp4" else "full", data={"source": "bench"},
+                      rewards=["bench.distributed:_random_reward"], num_generations=args.group,
+                      batch_size=args.prompts, micro_batch_size=args.micro_batch, max_steps=4,
+                      max_prompt_length=args.prompt_len, max_completion_length=args.max_tokens,
+                      gradient_checkpointing=True, aqn=None,
+                      lora={"lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r},
+                      rollout={"engine": "paged", "temperature": 1.0,
+                               "gpu_memory_utilization": args.gpu_memory_utilization},
+                      dtype="bfloat16" if on_cuda else "float32", num_gpus=ranks.world_size, seed=args.seed)
+    device = f"cuda:{torch.cuda.current_device()}" if on_cuda else "cpu"
+    model = _model(args, mode, device, dtype)
+    trainer = GRPOTrainer(cfg, model, tokenizer, prompts, ["0"] * len(prompts),
+                          [("random", _random_reward, 1.0)], checkpoint_dir=tempfile.mkdtemp(prefix="qerl-bench-"),
+                          ranks=ranks)
+    trainer.parallel.start(trainer.trainable)  # as train() does: every replica starts from rank 0's adapter
+    trainer.engine.close()  # its projection groups go back: the forced-length engine groups them again
+    trainer.engine = ForcedLengthEngine(trainer.parallel.rollout_model, tokenizer, eos_token_ids=(),
+                                        **engine_options(cfg))
+    return trainer
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_gib(reset: bool = True) -> float:
+    if not torch.cuda.is_available():
+        return 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+def _step(trainer, step: int, lengths: list[int]) -> dict:
+    """One GRPO step as GRPOTrainer.train runs it, this rank's rows ending at their drawn lengths; peaks of the
+    rollout (the paged KV pool included: it takes a fraction of the memory free then) and of the update apart."""
+    rows = trainer.ranks.share(len(lengths), "rows")
+    trainer.engine.lengths = lengths[rows]
+    trainer.ranks.barrier()
+    _sync()
+    _peak_gib()
+    start = time.perf_counter()
+    batch = trainer.rollout(step)
+    pool = trainer.engine.stats.get("kv_bytes", 0) / 2**30
+    trainer.engine.sleep()
+    _sync()
+    rollout_peak = _peak_gib()
+    metrics = trainer.update(batch, step)
+    _sync()
+    seconds = time.perf_counter() - start
+    mine = torch.tensor([[seconds, rollout_peak, pool, _peak_gib(reset=False)]], dtype=torch.float64)
+    ranks = trainer.ranks.all_gather(mine)
+    per_rank = {key: [round(float(x), 2) for x in ranks[:, i]] for i, key in
+                enumerate(("step_s", "rollout_peak_gib", "kv_pool_gib", "update_peak_gib"))}
+    return {"step_s": max(per_rank.pop("step_s")), "rollout_s": batch.metrics["timing/rollout"],  # slowest rank's
+            "update_s": metrics["timing/update"], "generated_tokens": int(batch.metrics["rollout_tokens"]),
+            "peak_gib_per_rank": [max(a, b) for a, b in zip(per_rank["rollout_peak_gib"], per_rank["update_peak_gib"])],
+            **per_rank, "grad_norm": metrics["grad_norm"], "loss": metrics["loss"]}
+
+
+def run_case(args) -> None:
+    """The --worker case in this process group; rank 0 writes its result to --worker-out."""
+    from transformers import AutoTokenizer
+
+    from bench.paged import draw_lengths, random_prompts
+    from qerl.distributed import close, init_ranks
+
+    mode, world = CASES[args.worker]
+    ranks = init_ranks(world)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        prompts = random_prompts(args.prompts, args.prompt_len, 150000, args.seed)
+        lengths = draw_lengths(args.prompts * args.group, args.median, args.sigma, args.max_tokens, args.seed)
+        t0 = time.perf_counter()
+        trainer = _trainer(args, mode, ranks, tokenizer, prompts)
+        build_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _step(trainer, 0, [min(k, args.warmup_tokens) for k in lengths])
+        warmup_s = time.perf_counter() - t0
+        result = _step(trainer, 1, lengths)
+        result.update(case=args.worker, mode=mode, gpus=world, device=_device_name(), build_s=round(build_s, 1),
+                      warmup_s=round(warmup_s, 1),
+                      drawn_tokens=sum(lengths), tokens_per_s=sum(lengths) / result["step_s"],
+                      rollout_tokens_per_s=sum(lengths) / result["rollout_s"])
+        if ranks.is_main:
+            Path(args.worker_out).write_text(json.dumps(result))
+        ranks.barrier()
+    finally:
+        close(ranks)
+
+
+# ------------------------------------------------------------------ the orchestrator
+def _launch(argv: list[str], case: str, out: Path) -> list[str]:
+    """The command of one case: this command's options, as a worker (under torchrun for several ranks)."""
+    _, world = CASES[case]
+    worker = ["-m", "bench.distributed", *argv, "--worker", case, "--worker-out", str(out)]
+    if world == 1:
+        return [sys.executable, *worker]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), *worker]
+
+
+def _device_name() -> str:
+    """The worker's GPU (the orchestrator never initialises CUDA: its context would take a GPU's memory)."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
+
+
+def _table(results: list[dict], speedup: float | None) -> str:
+    head = f"{'case':12s} {'GPUs':>4s} {'step s':>8s} {'rollout s':>9s} {'update s':>8s} {'tokens/s':>9s} " \
+           f"{'peak GiB per GPU: rollout (KV pool) / update':>46s}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['case']:12s} failed: {r['error'][:100]}")
+            continue
+        peaks = ", ".join(f"{a:.1f} ({k:.1f}) / {b:.1f}" for a, k, b in
+                          zip(r["rollout_peak_gib"], r["kv_pool_gib"], r["update_peak_gib"]))
+        lines.append(f"{r['case']:12s} {r['gpus']:4d} {r['step_s']:8.1f} {r['rollout_s']:9.1f} {r['update_s']:8.1f} "
+                     f"{r['tokens_per_s']:9,.0f} {peaks:>46s}")
+    if speedup is not None:
+        lines.append(f"speed-up fp4-lora 2 GPUs vs 1: x{speedup:.2f} (same global batch)")
+    return "\n".join(lines)
+
+
+def _write(args, results: list[dict], speedup: float | None) -> None:
+    named = sorted({r["device"] for r in results if "device" in r})
+    options = {k: v for k, v in vars(args).items() if not k.startswith("worker")}
+    payload = {"device": ", ".join(named) or "unknown", "torch": torch.__version__, "args": options,
+               "speedup_fp4_lora_2_vs_1": speedup, "results": results}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, out)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parse(argv)
+    if args.worker:
+        run_case(args)
+        return 0
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"--cases: unknown {unknown}; expected some of {list(CASES)}")
+    print(f"random Qwen2.5-{args.size}, {args.prompts} prompts x {args.group}, completions log-normal "
+          f"(median {args.median:.0f}, cap {args.max_tokens}), micro-batch {args.micro_batch}", flush=True)
+    results, speedup = [], None
+    with tempfile.TemporaryDirectory(prefix="qerl-bench-dist-") as tmp:
+        for case in cases:
+            part = Path(tmp) / f"{case}.json"
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            start = time.perf_counter()
+            try:
+                proc = subprocess.run(_launch(argv, case, part), env=env, capture_output=True, text=True,
+                                      timeout=args.timeout_s)
+                failed = None if proc.returncode == 0 and part.is_file() else \
+                    (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                if failed:
+                    sys.stderr.write(proc.stderr[-4000:])
+            except subprocess.TimeoutExpired:
+                failed = f"timed out after {args.timeout_s:g} s"
+            wall = round(time.perf_counter() - start, 1)
+            results.append({"case": case, "error": failed, "wall_s": wall} if failed else
+                           {**json.loads(part.read_text()), "wall_s": wall})
+            done = {r["case"]: r for r in results if "error" not in r}
+            if "fp4-lora-x1" in done and "fp4-lora-x2" in done:
+                speedup = done["fp4-lora-x1"]["step_s"] / done["fp4-lora-x2"]["step_s"]
+            r = results[-1]
+            print(f"{case}: " + (f"failed ({r['error']})" if "error" in r else f"step {r['step_s']:.1f} s") +
+                  f", {wall:.0f} s with start-up", flush=True)
+            _write(args, results, speedup)
+    print(f"devices: {', '.join(sorted({r['device'] for r in results if 'device' in r}))}")
+    print(_table(results, speedup))
+    print(f"-> {args.out}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
