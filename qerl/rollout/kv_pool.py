@@ -130,7 +130,7 @@ class KVPool:
     def _blocks_from_memory(self, utilization: float, reserve_bytes: int) -> int:
         if self.device.type != "cuda":
             raise QerlError("KVPool.num_blocks: required off CUDA (sizing from free memory needs a GPU)")
-        free, _total = torch.cuda.mem_get_info(self.device)
+        free = free_device_memory(self.device)
         budget = int(free * utilization) - int(reserve_bytes)
         blocks = budget // (self.block_size * self.bytes_per_token)
         if blocks < 2:
@@ -161,3 +161,11 @@ class KVPool:
         self.key, self.value = [], []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes free on the GPU once PyTorch's allocator has given back what it caches: right after an update the
+    cache still holds its activations' memory, which cudaMemGetInfo alone counts as used."""
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)

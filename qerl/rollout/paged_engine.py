@@ -22,7 +22,7 @@ from qerl.quant.grouped import group_projections, projections_fused, ungroup_pro
 from qerl.quant.linear import DENSE_COPY_MIN_ROWS
 from qerl.rollout.attention import attention_implementation
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
-from qerl.rollout.kv_pool import BlockAllocator, KVPool, kv_shape
+from qerl.rollout.kv_pool import BlockAllocator, KVPool, free_device_memory, kv_shape
 from qerl.rollout.lora_shadows import lora_in_dtype
 from qerl.rollout.model_state import compile_options, compute_dtype, eos_ids, inference_mode, model_signature
 from qerl.rollout.paged_attention import NAME, PagedMeta, triton_paged
@@ -163,8 +163,7 @@ class PagedEngine(RolloutEngine):
         if self.dense_weights == "auto":
             if self.device.type != "cuda" or rows < DENSE_COPY_MIN_ROWS:
                 return
-            free, _ = torch.cuda.mem_get_info(self.device)
-            if need > _DENSE_COPY_FREE_FRACTION * free:
+            if need > _DENSE_COPY_FREE_FRACTION * free_device_memory(self.device):
                 return
         self.dense_bytes = attach_dense_copies(self.model, self._groups, compute_dtype(self.model))
 
