@@ -77,6 +77,7 @@ class PagedEngine(RolloutEngine):
         if dense_weights not in (True, False, "auto"):
             raise QerlError(f"PagedEngine.dense_weights: expected True, False or 'auto', got {dense_weights!r}")
         self.dense_weights, self.dense_bytes = dense_weights, 0
+        self._pool_rows = 0  # rows of the call the GPU pool's forward reserve was sized for
         self.model, self.tokenizer = model, tokenizer
         self.block_size, self.num_blocks = block_size, num_blocks
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -103,6 +104,8 @@ class PagedEngine(RolloutEngine):
         prompts = check_prompts(prompt_ids, n)
         if self.num_blocks is not None:  # known size: refuse before allocating anything
             check_fits(prompts, sampling.max_tokens, self.block_size, self.num_blocks)
+        if self.pool is not None and self._pool_rows and len(prompts) * n > self._pool_rows:
+            self._release_pool()  # its forward reserve was sized for fewer sampling rows
         if self.pool is None:  # the copies first, so that the pool is sized from what they leave
             self._keep_dense_copies(len(prompts) * n)
         pool = self._pool_for(prompts, n, sampling.max_tokens)
@@ -283,9 +286,10 @@ class PagedEngine(RolloutEngine):
                 self._release_pool()
                 self.pool = KVPool(self.model, self.block_size, need)
         elif self.pool is None:
+            self._pool_rows = len(prompts) * n  # set only for a pool sized from free memory
             self.pool = KVPool(self.model, self.block_size, self.num_blocks, self.gpu_memory_utilization,
                                reserve_bytes=_forward_reserve(self.model, self.max_num_batched_tokens,
-                                                              self.max_num_seqs))
+                                                              self.max_num_seqs, len(prompts) * n))
         return self.pool
 
 
@@ -294,13 +298,14 @@ def _decode_only(chunks) -> bool:
     return all(c.end - c.start == 1 and c.samples and c.seq.group.forked for c in chunks)
 
 
-def _forward_reserve(model, max_tokens: int, max_seqs: int | None) -> int:
+def _forward_reserve(model, max_tokens: int, max_seqs: int | None, call_rows: int | None = None) -> int:
     """Rough peak activations of one step of max_tokens tokens, kept out of the KV pool: per token the residual,
-    MLP and attention projections (x2 for temporaries), and float32 logits + softmax + sampling buffers per row."""
+    MLP and attention projections (x2 for temporaries), and float32 logits + softmax + sampling buffers per row
+    that samples (at most the call's rows: 8,192 rows of a 152k vocabulary would hold back ~20 GB)."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     _, kv_heads, head_dim = kv_shape(model)
     itemsize = next(p for p in model.parameters() if p.is_floating_point()).element_size()
     per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size
                  + (cfg.num_attention_heads + 2 * kv_heads) * head_dim) * itemsize * 2
-    rows = min(max_tokens, max_seqs or max_tokens)
+    rows = min(max_tokens, max_seqs or max_tokens, call_rows or max_tokens)
     return max_tokens * per_token + rows * cfg.vocab_size * 4 * 4 + _RESERVE_SLACK
