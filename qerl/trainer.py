@@ -83,6 +83,18 @@ class Batch:
 
 
 
+def micro_batch(batch: Batch, rows: slice) -> Batch:
+    """`rows` of the batch, completions cut after the longest one among them: right padding past it changes no
+    log-prob (causal attention), and a long-tailed rollout would otherwise compute every micro-batch at the
+    step's longest completion."""
+    plen = batch.input_ids.shape[1] - batch.completion_len
+    real = batch.attention_mask[rows, plen:].bool().any(dim=0).nonzero()
+    width = int(real[-1]) + 1 if len(real) else 1
+    return Batch(input_ids=batch.input_ids[rows, :plen + width],
+                 attention_mask=batch.attention_mask[rows, :plen + width], completion_mask=batch.completion_mask[rows, :width],
+                 rollout_logprobs=batch.rollout_logprobs[rows, :width], advantages=batch.advantages[rows])
+
+
 def engine_options(cfg: TrainConfig) -> dict[str, Any]:
     """make_engine's keyword arguments for the configured rollout engine."""
     r = cfg.rollout
@@ -319,24 +331,25 @@ class GRPOTrainer:
         slices = [slice(i, i + cfg.micro_batch_size) for i in range(0, rows_total, cfg.micro_batch_size)]
         n_tokens = self.ranks.all_reduce(batch.completion_mask.sum())
         accumulation = len(slices) * self.ranks.world_size
-        refs = [self.reference_logprobs(batch, s) for s in slices]
+        subs = [micro_batch(batch, s) for s in slices]  # each cut to its own longest completion
+        refs = [self.reference_logprobs(sub, slice(0, len(sub.advantages))) for sub in subs]
         olds = [None] * len(slices)
         if cfg.num_iterations > 1:
             with torch.no_grad():
-                olds = [self.logprobs(batch, s)[0] for s in slices]
+                olds = [self.logprobs(sub, slice(0, len(sub.advantages)))[0] for sub in subs]
         sums: dict[str, float] = {}
         t0 = time.perf_counter()
         self.model.train()
         for _ in range(cfg.num_iterations):
-            for s, old, ref in zip(slices, olds, refs):
+            for sub, old, ref in zip(subs, olds, refs):
                 with self._saved_tensors():
-                    lp, ent = self.logprobs(batch, s)
-                mask, metrics = batch.completion_mask[s], {}
+                    lp, ent = self.logprobs(sub, slice(0, len(sub.advantages)))
+                mask, metrics = sub.completion_mask, {}
                 is_w = None
                 if cfg.rollout_correction == "tis":
                     base = lp.detach() if old is None else old
-                    is_w, metrics = tis_weights(base, batch.rollout_logprobs[s], mask, cap=cfg.tis_cap)
-                loss, lm = policy_loss(lp, old, batch.advantages[s], mask, loss_type=cfg.loss_type,
+                    is_w, metrics = tis_weights(base, sub.rollout_logprobs, mask, cap=cfg.tis_cap)
+                loss, lm = policy_loss(lp, old, sub.advantages, mask, loss_type=cfg.loss_type,
                                        epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                        ref_logprobs=ref, is_weights=is_w,
                                        max_completion_length=cfg.max_completion_length,
