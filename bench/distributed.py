@@ -222,6 +222,27 @@ def _write(args, results: list[dict], speedup: float | None) -> None:
     os.replace(tmp, out)
 
 
+def _run_case_process(cmd: list[str], env: dict, timeout_s: float, part: Path) -> str | None:
+    """Run one case in its own process group; None on success, else its first error line. A timeout kills the
+    whole group: torchrun's workers outliving it would hold their GPU memory through the next cases."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return f"timed out after {timeout_s:g} s"
+    if proc.returncode == 0 and part.is_file():
+        return None
+    sys.stderr.write(err[-4000:])
+    lines = err.strip().splitlines()
+    errors = [line for line in lines if "Error" in line or "error:" in line]  # the exception, not torchrun's banner
+    return (errors or lines or ["no output"])[-1]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
@@ -240,15 +261,7 @@ def main(argv=None) -> int:
             part = Path(tmp) / f"{case}.json"
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             start = time.perf_counter()
-            try:
-                proc = subprocess.run(_launch(argv, case, part), env=env, capture_output=True, text=True,
-                                      timeout=args.timeout_s)
-                failed = None if proc.returncode == 0 and part.is_file() else \
-                    (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                if failed:
-                    sys.stderr.write(proc.stderr[-4000:])
-            except subprocess.TimeoutExpired:
-                failed = f"timed out after {args.timeout_s:g} s"
+            failed = _run_case_process(_launch(argv, case, part), env, args.timeout_s, part)
             wall = round(time.perf_counter() - start, 1)
             results.append({"case": case, "error": failed, "wall_s": wall} if failed else
                            {**json.loads(part.read_text()), "wall_s": wall})
