@@ -24,7 +24,7 @@ def test_repo_config_is_valid_and_has_the_paper_settings():
     assert cfg.experiments["qwen7b"].model == "Qwen/Qwen2.5-7B-Instruct"
     assert (t.lora.lora_r, t.learning_rate, t.num_generations, t.batch_size) == (32, 1e-5, 8, 128)
     assert (t.max_completion_length, t.epsilon, t.epsilon_high, t.beta) == (4096, 0.2, 0.28, 0.0)
-    assert (t.aqn.sigma_start, t.aqn.sigma_end, t.aqn.num_stages) == (1e-2, 5e-4, 10)
+    assert (t.aqn.sigma_start, t.aqn.sigma_end, t.aqn.num_stages) == (1e-2, 1e-4, 10)  # the released scripts
 
 
 def test_schema_file_is_generated_from_the_models():
@@ -183,12 +183,12 @@ def test_full_training_is_sharded_over_its_gpus_by_the_estimate():
 
 
 def test_the_paper_rows_fit_one_gpu_with_the_paged_engine():
-    """The paged pool is released before the update, so 1,024 rollouts of 4,608 tokens fit one 80 GB GPU up to 32B;
-    a pool too small for one row is refused by name."""
+    """The paged pool is released before the update, so a step's rollouts (GSM8K: 1,024 of up to 4,608 tokens;
+    BigMath: 2,048 of up to 9,216) fit one 80 GB GPU up to 32B; a pool too small for one row is refused by name."""
     cfg = parse_config(_repo_raw())
-    for name in ("qwen7b", "qwen14b-math-nvfp4-lora-aqn", "qwen32b-math-nvfp4-lora-aqn"):
+    for name, rows in (("qwen7b", 1024), ("qwen14b-math-nvfp4-lora-aqn", 2048), ("qwen32b-math-nvfp4-lora-aqn", 2048)):
         train = cfg.experiments[name].train
-        assert (train.rollout.engine, train.num_gpus, train.batch_size * train.num_generations) == ("paged", 1, 1024)
+        assert (train.rollout.engine, train.num_gpus, train.batch_size * train.num_generations) == ("paged", 1, rows)
     raw = _repo_raw()
     train = raw["experiments"]["qwen32b-math-bf16-lora"]["train"]
     raw["experiments"]["qwen32b-math-bf16-lora"]["train"] = {**train, "rollout": {
