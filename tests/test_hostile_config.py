@@ -35,6 +35,7 @@ def one_line_error(raw: dict) -> str:
 def test_unsafe_experiment_names_are_refused_at_parse_time(name):
     raw = repo_config()
     raw["experiments"][name] = raw["experiments"].pop("demo")
+    raw.pop("ablations", None)  # they name the demo as their base
     raw["default_target"] = name
     assert "experiment name" in one_line_error(raw)
 
@@ -43,6 +44,7 @@ def test_unsafe_experiment_names_are_refused_at_parse_time(name):
 def test_safe_experiment_names_parse(name):
     raw = repo_config()
     raw["experiments"][name] = raw["experiments"].pop("demo")
+    raw.pop("ablations", None)  # they name the demo as their base
     raw["default_target"] = name
     assert name in parse_config(raw).experiments
 
@@ -114,6 +116,7 @@ def test_experiment_names_are_matched_literally_by_the_wildcard(tmp_path):
     """'a.b' must not also match results/aXb/... (an unescaped regex dot would)."""
     raw = repo_config()
     raw["experiments"] = {"a.b": demo(raw)}
+    raw.pop("ablations", None)  # they name the demo as their base
     raw["default_target"] = "a.b"
     _write_config(tmp_path, raw)
     base = [sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--snakefile", str(REPO / "Snakefile"),
