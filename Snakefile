@@ -48,3 +48,4 @@ rule all:
 rule all_experiments:
     input:
         [eval_json(name) for name in CFG.experiments if name not in ABLATION_RUNS],
+        [f for name in CFG.experiments if name not in ABLATION_RUNS for f in report_files(name)],
