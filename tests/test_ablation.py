@@ -144,9 +144,10 @@ def test_moving_average_and_band():
 
 # ------------------------------------------------------------------------------------------ the target
 def test_the_snakemake_target_trains_every_run_and_renders_it(tmp_path, tokenizer_dir, data_dir, monkeypatch):
-    """Two methods x two seeds on the tiny model through `snakemake abl`: curves, table and an MLflow run."""
-    methods = {k: METHODS[k] for k in ("bf16_lora", "nvfp4_lora_aqn")}
-    cfg = config(methods=methods)
+    """`snakemake abl` on the tiny model, one method x two seeds (one quantized checkpoint for both): the curves,
+    the table with the untrained quantized base, and an MLflow run with both as artifacts."""
+    cfg = config(methods={"nvfp4_lora_aqn": METHODS["nvfp4_lora_aqn"]}, train={"max_steps": 1},
+                 eval={"benchmarks": [{"name": "demo", "source": "resources/demo_task/test.jsonl"}], "limit": 2})
     cfg |= {"tokenizer_dir": str(tokenizer_dir), "data_dir": str(data_dir), "mlflow": {"experiment_name": "abl-t"}}
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -158,15 +159,15 @@ def test_the_snakemake_target_trains_every_run_and_renders_it(tmp_path, tokenize
         pytest.fail(f"snakemake failed:\n{proc.stderr[-3000:]}\n{logs}")
     out = tmp_path / "results" / "ablations" / "abl"
     table = (out / "table1.md").read_text()
-    for label in ("BF16 LoRA", "NVFP4 LoRA + AQN", "base, no training", "quantized base, no training"):
-        assert f"| {label} |" in table
+    assert "| NVFP4 LoRA + AQN | " in table and "| quantized base, no training | " in table
+    assert json.loads((out / "ablation.json").read_text())["methods"]["nvfp4_lora_aqn"]["seeds_finished"] == 2
     assert (out / "curves.png").stat().st_size > 10_000
-    assert len(list((tmp_path / "results").glob("abl-*/quantized"))) == 2  # one per base, shared by the seeds
+    assert [p.parent.name for p in (tmp_path / "results").glob("abl-*/quantized")] == ["abl-nvfp4_lora_aqn-s0"]
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    from qerl.tracking import find_stage_runs
-
     import mlflow
 
+    from qerl.tracking import find_stage_runs
+
     (run,) = find_stage_runs("abl", tmp_path / "results", mlflow_experiment="abl-t")
-    assert run["stage"] == "ablation" and "bf16_lora.demo.accuracy_mean" in run["metrics"]
+    assert run["stage"] == "ablation" and "nvfp4_lora_aqn.demo.accuracy_mean" in run["metrics"]
     assert {"curves.png", "table1.md"} <= {a.path for a in mlflow.artifacts.list_artifacts(run_id=run["run_id"])}
