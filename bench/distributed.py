@@ -12,10 +12,13 @@ Each case runs qerl.trainer.GRPOTrainer (paged rollout engine, gradient checkpoi
 --prompts x --group rows of --prompt-len random prompt tokens. Random weights never emit EOS, so row r ends at a
 completion length drawn once from a log-normal (median --median, sigma --sigma, capped at --max-tokens; the
 rollout benchmarks' distribution, bench.paged): the same lengths in every case, each rank taking its rows' share.
-One untimed step (rows cut to --warmup-tokens: compiles, captures decode graphs, creates AdamW's states), then one
-timed step: step seconds (the slowest rank), tokens/s (generated tokens / step seconds), rollout and update
+One untimed step (rows cut to --warmup-tokens, staggered per rank as bench.paged.warmup_lengths: compiles,
+captures decode graphs, creates AdamW's states), then one timed step: step seconds (the slowest rank), tokens/s (generated tokens / step seconds), rollout and update
 seconds, peak allocated GPU memory of every rank during the timed step; speed-up = fp4-lora x1 / fp4-lora x2 step
-seconds. Prints a table and writes JSON atomically after each case (a case cut short keeps the others).
+seconds. Prints a table and writes JSON atomically after each case (a case cut short keeps the others); each case's
+output goes to <out stem>-<case>.log beside the JSON, with rank 0's progress lines (a timeout names the phase it cut).
+A 7B FP4 case compiles its Triton kernels in the warm-up (about a minute on a fresh machine): on a 10-minute device
+call run one or two cases per call (--cases), the Triton cache carrying over between cases of one machine.
 
 CPU smoke run (gloo, a tiny model; tests/bench/test_distributed_bench.py): python -m bench.distributed --size tiny
     --prompts 4 --group 2 --prompt-len 8 --max-tokens 6 --median 4 --micro-batch 2 --lora-r 4 --warmup-tokens 2
@@ -51,7 +54,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-r", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=32, help="the untimed step's rows end after this many")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="paged KV pool: fraction of free memory")
-    p.add_argument("--timeout-s", type=float, default=280, help="per case (the three fit 10 minutes)")
+    p.add_argument("--timeout-s", type=float, default=280, help="per case, build and warm-up included")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default="../shared/tokenizers/qwen2.5", help="the real Qwen2.5 tokenizer dir")
     p.add_argument("--out", default="results/bench/distributed.json")
@@ -151,22 +154,33 @@ def run_case(args) -> None:
     """The --worker case in this process group; rank 0 writes its result to --worker-out."""
     from transformers import AutoTokenizer
 
-    from bench.paged import draw_lengths, random_prompts
+    from bench.paged import draw_lengths, random_prompts, warmup_lengths
     from qerl.distributed import close, init_ranks
 
     mode, world = CASES[args.worker]
     ranks = init_ranks(world)
+    begin = time.perf_counter()
+
+    def say(what: str) -> None:  # progress in the case's log: a timeout then says which phase it cut
+        if ranks.is_main:
+            print(f"[{args.worker} +{time.perf_counter() - begin:.0f} s] {what}", flush=True)
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         prompts = random_prompts(args.prompts, args.prompt_len, 150000, args.seed)
         lengths = draw_lengths(args.prompts * args.group, args.median, args.sigma, args.max_tokens, args.seed)
+        say(f"{world} rank(s) up; building the model and trainer")
         t0 = time.perf_counter()
         trainer = _trainer(args, mode, ranks, tokenizer, prompts)
         build_s = time.perf_counter() - t0
+        say(f"built in {build_s:.0f} s; warm-up step (kernels compile, graphs are captured)")
         t0 = time.perf_counter()
-        _step(trainer, 0, [min(k, args.warmup_tokens) for k in lengths])
+        per_rank = warmup_lengths(len(lengths) // world, args.warmup_tokens)  # each rank's share meets every bucket
+        _step(trainer, 0, per_rank * world + per_rank[:len(lengths) - len(per_rank) * world])
         warmup_s = time.perf_counter() - t0
+        say(f"warm-up step {warmup_s:.0f} s; timed step")
         result = _step(trainer, 1, lengths)
+        say(f"timed step {result['step_s']:.1f} s (rollout {result['rollout_s']:.1f} s, update {result['update_s']:.1f} s)")
         result.update(case=args.worker, mode=mode, gpus=world, device=_device_name(), build_s=round(build_s, 1),
                       warmup_s=round(warmup_s, 1),
                       drawn_tokens=sum(lengths), tokens_per_s=sum(lengths) / result["step_s"],
@@ -222,23 +236,56 @@ def _write(args, results: list[dict], speedup: float | None) -> None:
     os.replace(tmp, out)
 
 
-def _run_case_process(cmd: list[str], env: dict, timeout_s: float, part: Path) -> str | None:
-    """Run one case in its own process group; None on success, else its first error line. A timeout kills the
-    whole group: torchrun's workers outliving it would hold their GPU memory through the next cases."""
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (Linux /proc; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the case's process group and every process below it: torchrun may start its workers in their own
+    sessions, and workers outliving a case would hold their GPU memory through the next cases."""
     import signal
 
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    for pid in [proc.pid, *_descendants(proc.pid)]:  # listed before any dies: orphans lose their parent link
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     try:
-        _, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return f"timed out after {timeout_s:g} s"
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _run_case_process(cmd: list[str], env: dict, timeout_s: float, part: Path, log: Path) -> str | None:
+    """Run one case in its own process group, its output (every rank's, and rank 0's progress lines) into `log`;
+    None on success, else one line: its error, or the timeout and the last progress line before it."""
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            progress = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("[")]
+            return f"timed out after {timeout_s:g} s" + (f"; last: {progress[-1]}" if progress else "")
     if proc.returncode == 0 and part.is_file():
         return None
-    sys.stderr.write(err[-4000:])
-    lines = err.strip().splitlines()
+    lines = log.read_text(errors="replace").strip().splitlines()
+    sys.stderr.write("\n".join(lines[-60:]) + "\n")
     errors = [line for line in lines if "Error" in line or "error:" in line]  # the exception, not torchrun's banner
     return (errors or lines or ["no output"])[-1]
 
@@ -261,7 +308,9 @@ def main(argv=None) -> int:
             part = Path(tmp) / f"{case}.json"
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             start = time.perf_counter()
-            failed = _run_case_process(_launch(argv, case, part), env, args.timeout_s, part)
+            log = Path(args.out).with_name(f"{Path(args.out).stem}-{case}.log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            failed = _run_case_process(_launch(argv, case, part), env, args.timeout_s, part, log)
             wall = round(time.perf_counter() - start, 1)
             results.append({"case": case, "error": failed, "wall_s": wall} if failed else
                            {**json.loads(part.read_text()), "wall_s": wall})

@@ -11,9 +11,9 @@ a length drawn from a fixed log-normal (median --median, sigma --sigma, capped a
 same draws for both modes): the paged engine finishes it there as if it had sampled EOS (bench.paged's
 ForcedLengthEngine).
 
-Per mode: build, then untimed warm-up (a rollout whose rows end after --warmup-tokens, which captures the decode
-buckets, and one update of one random micro-batch, which creates AdamW's moments), then one timed step of fresh
-data. Reported: rollout s and tokens/s, decode steps, the rollout's memory floor (every decode step reads the
+Per mode: build, then untimed warm-up (a rollout whose rows end after at most --warmup-tokens, staggered so that
+it meets every decode bucket: bench.paged.warmup_lengths; and one update of one random micro-batch, which creates
+AdamW's moments), then one timed step of fresh data. Reported: rollout s and tokens/s, decode steps, the rollout's memory floor (every decode step reads the
 weights once and each running row's KV; at the bandwidth of a device-to-device copy measured in the same run),
 update s and tokens/s, step s, peak GiB. Prints a table and writes JSON atomically after each mode.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.paged import ForcedLengthEngine, build_lora_model, draw_lengths
+from bench.paged import ForcedLengthEngine, build_lora_model, draw_lengths, warmup_lengths
 from bench.random_models import decode_weight_bytes
 
 
@@ -130,7 +130,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     options = engine_options(cfg) if cfg.rollout.engine == "paged" else {}
     engine = _Recording(model, tok, eos_token_ids=(), compile="auto" if args.compile == "auto" else False, **options)
     trainer.engine = engine
-    engine.lengths = [min(k, args.warmup_tokens) for k in lengths]
+    engine.lengths = warmup_lengths(len(lengths), args.warmup_tokens)  # meets every decode bucket
     t = time.perf_counter()
     warm = trainer.rollout(0)
     engine.sleep()  # as GRPOTrainer.train: the pool and dense copies go back before the update
@@ -158,6 +158,9 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   rollout_s=rollout_s, rollout_tok_s=sum(lengths) / rollout_s, decode_steps=stats.get("steps"),
                   preemptions=stats.get("preemptions"), peak_running=stats.get("peak_running"),
                   dense_copy_gib=stats.get("dense_copy_bytes", 0) / 2**30,
+                  **{k.replace("dense_check_", "dense_check_gib_"): v / 2**30 for k, v in stats.items()
+                     if k.startswith("dense_check_") and k != "dense_check_kept"},
+                  dense_check_kept=stats.get("dense_check_kept"),
                   num_blocks=stats.get("num_blocks"), graph_captures_timed=stats.get("graph_captures"),
                   floor_bytes=floor, floor_s=floor / bandwidth, floor_pct=100 * floor / bandwidth / rollout_s,
                   update_s=update_s, update_tokens=update_tokens, update_tok_s=update_tokens / update_s,

@@ -14,15 +14,16 @@ A second workload, --fixed (the earlier measurement: 16 prompts x 4 x 128 tokens
 --modes fp4,bf16: the trainer's models instead of the plain bf16 one, one after the other (each freed before the
 next): random FP4 (FP4Linear) or bf16 weights + peft LoRA r --lora-r on all 7 projections, built as bench.e2e_workers
 builds them for the e2e benchmark; the same draws for both; the table adds the FP4/bf16 ratio of tokens/s and peak.
---warmup-tokens N: the untimed run ends every row after at most N tokens (same rows and max_tokens, so the same
-decode graphs' key), which compiles and captures most buckets without the whole workload's time; buckets first met
-in the timed run are captured there (counted in graph_captures).
+--warmup-tokens N: the untimed run's rows end after at most N tokens, staggered so that the running rows fall
+geometrically to one (warmup_lengths: every decode bucket is met, its kernels compiled), with the same rows and
+max_tokens; the timed run still captures its own graphs (a new KV pool each call; counted in graph_captures).
 Prints a table and writes JSON atomically.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -103,6 +104,16 @@ def draw_lengths(rows: int, median: float, sigma: float, cap: int, seed: int) ->
     return np.clip(np.round(median * np.exp(sigma * z)), 1, cap).astype(int).tolist()
 
 
+def warmup_lengths(rows: int, tokens: int) -> list[int]:
+    """Lengths (1..tokens) for an untimed run whose running rows fall geometrically from `rows` to 1 (row r ends
+    after ceil(tokens * (1 - log(r + 1) / log(rows))) tokens), so that it meets every decode batch-size bucket
+    before the timed run: the FP4 kernels' Triton tile configs differ by rows and compile on first use (seconds
+    each), which a warm-up that ends every row together (one bucket) leaves to the timed run."""
+    if rows <= 1:
+        return [max(1, tokens)] * rows
+    return [max(1, math.ceil(tokens * (1 - math.log(r + 1) / math.log(rows)))) for r in range(rows)]
+
+
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(100, min(vocab, 150000), (count, length), generator=gen).tolist()
@@ -120,7 +131,7 @@ def _timed(fn) -> tuple[float, object]:
 def run_paged(model, tok, prompts, n, lengths, args, compile="auto") -> dict:
     engine = ForcedLengthEngine(model, tok, block_size=args.block_size, eos_token_ids=(), compile=compile)
     sampling = SamplingParams(temperature=1.0, max_tokens=max(lengths), seed=args.seed)
-    engine.lengths = [min(k, args.warmup_tokens) for k in lengths] if args.warmup_tokens else lengths
+    engine.lengths = warmup_lengths(len(lengths), args.warmup_tokens) if args.warmup_tokens else lengths
     warm_start = time.perf_counter()
     engine.generate(prompts, n, sampling)
     warm = time.perf_counter() - warm_start
@@ -128,9 +139,9 @@ def run_paged(model, tok, prompts, n, lengths, args, compile="auto") -> dict:
     wall, out = _timed(lambda: engine.generate(prompts, n, sampling))
     got = [len(c) for c in out.completion_ids]
     assert got == lengths, "PagedEngine rows did not end at their drawn lengths"
-    stats = {k: out.stats[k] for k in ("steps", "preemptions", "peak_running", "peak_blocks", "num_blocks",
-                                       "graph_captures", "graph_replays", "graph_eager_steps", "projection_groups")
-             if k in out.stats}
+    keep = ("steps", "preemptions", "peak_running", "peak_blocks", "num_blocks", "graph_captures", "graph_replays",
+            "graph_eager_steps", "projection_groups")
+    stats = {k: v for k, v in out.stats.items() if k in keep or k.startswith(("step_s_", "steps_", "dense_"))}
     engine.close()
     return dict(engine="paged" if compile else "paged-nc", wall_s=wall, warmup_s=warm, generated_tokens=sum(got),
                 **stats,

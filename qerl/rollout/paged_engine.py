@@ -14,6 +14,8 @@ beyond floating-point rounding. Log-probs are log_softmax(logits / T) over the f
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from qerl.errors import QerlError
@@ -77,6 +79,7 @@ class PagedEngine(RolloutEngine):
         if dense_weights not in (True, False, "auto"):
             raise QerlError(f"PagedEngine.dense_weights: expected True, False or 'auto', got {dense_weights!r}")
         self.dense_weights, self.dense_bytes = dense_weights, 0
+        self.dense_check: dict = {}  # the last "auto" decision: bytes needed, bytes free, kept or why not
         self._pool_rows = 0  # rows of the call the GPU pool's forward reserve was sized for
         self.model, self.tokenizer = model, tokenizer
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -122,11 +125,19 @@ class PagedEngine(RolloutEngine):
                 attention_implementation(self.model, NAME):
             graphs = self._graphs_for(prompts, sampling, pool)
             before = dict(graphs.stats) if graphs is not None else {}
+            seconds = dict.fromkeys(_STEP_BINS, 0.0)  # wall time of the steps by rows run (each step syncs)
+            counts = dict.fromkeys(_STEP_BINS, 0)
             while not sched.done():
-                self._step(sched, pool, sampling, uniforms, graphs)
+                start = time.perf_counter()
+                rows, decode = self._step(sched, pool, sampling, uniforms, graphs)
+                key = _step_bin(rows, decode)
+                seconds[key] += time.perf_counter() - start
+                counts[key] += 1
         graph_stats = {k: v - before[k] for k, v in graphs.stats.items()} if graphs is not None else {}
         self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes, dense_copy_bytes=self.dense_bytes,
-                          projection_groups=len(self._groups), **graph_stats)
+                          **{f"dense_check_{k}": v for k, v in self.dense_check.items()},
+                          projection_groups=len(self._groups), **graph_stats,
+                          **{f"step_s_{k}": v for k, v in seconds.items()}, **{f"steps_{k}": v for k, v in counts.items()})
         return RolloutOutput(
             prompt_ids=[p for p in prompts for _ in range(n)],
             completion_ids=[s.output for s in sched.seqs], logprobs=[s.logprobs for s in sched.seqs],
@@ -165,8 +176,13 @@ class PagedEngine(RolloutEngine):
             return
         if self.dense_weights == "auto":
             if self.device.type != "cuda" or rows < DENSE_COPY_MIN_ROWS:
+                self.dense_check = dict(need=need, free=0, kept=False)  # too few rows, or not CUDA
                 return
-            if need > _DENSE_COPY_FREE_FRACTION * free_device_memory(self.device):
+            free = free_device_memory(self.device)
+            self.dense_check = dict(need=need, free=free, kept=need <= _DENSE_COPY_FREE_FRACTION * free,
+                                    allocated=torch.cuda.memory_allocated(self.device),
+                                    reserved=torch.cuda.memory_reserved(self.device))
+            if not self.dense_check["kept"]:
                 return
         self.dense_bytes = attach_dense_copies(self.model, self._groups, compute_dtype(self.model))
 
@@ -206,12 +222,13 @@ class PagedEngine(RolloutEngine):
             self._compiled = torch.compile(decode_forward, dynamic=True, options=compile_options(self.device))
         return self._compiled
 
-    def _step(self, sched: Scheduler, pool: KVPool, sampling: SamplingParams, uniforms, graphs) -> None:
+    def _step(self, sched: Scheduler, pool: KVPool, sampling: SamplingParams, uniforms, graphs) -> tuple[int, bool]:
         """Plan, one packed forward, sample where a row reached its last token, update the scheduler."""
         chunks = sched.schedule()
-        if graphs is not None and _decode_only(chunks) and graphs.bucket(len(chunks)) is not None:
+        decode = _decode_only(chunks)
+        if graphs is not None and decode and graphs.bucket(len(chunks)) is not None:
             self._bucketed_step(sched, chunks, sampling, uniforms, graphs)
-            return
+            return len(chunks), True
         ids = [t for c in chunks for t in c.seq.tokens[c.start:c.end]]
         pos = [p for c in chunks for p in range(c.start, c.end)]
         ends, samplers, last = [], [], 0
@@ -225,6 +242,7 @@ class PagedEngine(RolloutEngine):
         sched.commit(chunks)
         if samplers:
             pool.copy_blocks(sched.update(self._sample(sched, samplers, logits, sampling, uniforms)))
+        return len(chunks), decode
 
     def _bucketed_step(self, sched: Scheduler, chunks, sampling: SamplingParams, uniforms, graphs) -> None:
         """A decode-only step through the static buffers (a graph replay on CUDA); no forks can happen here."""
@@ -291,6 +309,17 @@ class PagedEngine(RolloutEngine):
                                reserve_bytes=_forward_reserve(self.model, self.max_num_batched_tokens,
                                                               self.max_num_seqs, len(prompts) * n))
         return self.pool
+
+
+_STEP_BINS = ("prefill", "decode_1_32", "decode_33_128", "decode_129_512", "decode_513_up")
+
+
+def _step_bin(rows: int, decode: bool) -> str:
+    """The stats bin of one step: any step that prefills, else decode steps by their number of rows."""
+    if not decode:
+        return "prefill"
+    return "decode_1_32" if rows <= 32 else "decode_33_128" if rows <= 128 else \
+        "decode_129_512" if rows <= 512 else "decode_513_up"
 
 
 def _decode_only(chunks) -> bool:

@@ -47,3 +47,18 @@ def test_unknown_mode_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="--modes"):
         grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", "int8", "--prompts", "1",
                         "--completion-cap", "4", "--out", str(tmp_path / "x.json")])
+
+
+def test_warmup_lengths_fall_geometrically_through_every_decode_bucket():
+    import math
+
+    from bench.paged import warmup_lengths
+
+    for rows, tokens in [(1024, 48), (256, 32), (96, 20)]:
+        lengths = warmup_lengths(rows, tokens)
+        assert len(lengths) == rows and max(lengths) == tokens and min(lengths) == 1
+        running = [sum(k > t for k in lengths) for t in range(tokens)]  # rows still decoding at step t
+        assert running == sorted(running, reverse=True) and running[0] == rows
+        buckets = {1 << (r - 1).bit_length() for r in running if r}  # the engine's power-of-two graph buckets
+        assert buckets == {1 << b for b in range(math.ceil(math.log2(rows)) + 1)}, (rows, sorted(buckets))
+    assert warmup_lengths(1, 5) == [5] and warmup_lengths(0, 5) == []

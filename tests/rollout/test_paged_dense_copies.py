@@ -57,5 +57,6 @@ def test_auto_keeps_no_copies_on_cpu_or_for_few_rows_and_bad_value_is_refused(nv
     model, tok, prompts, n, params = _run(nvfp4_dir, tiny_model_dir, "cpu")
     out = PagedEngine(model, tok, eos_token_ids=()).generate(prompts, n, params)
     assert out.stats["dense_copy_bytes"] == 0 and _copies(model) == 0
+    assert out.stats["dense_check_kept"] is False and out.stats["dense_check_need"] > 0  # the decision is reported
     with pytest.raises(QerlError, match="dense_weights"):
         PagedEngine(model, tok, dense_weights="yes")

@@ -104,6 +104,12 @@ def test_prompt_prefilled_once_per_group_and_blocks_all_free(model_and_tok, prom
     rows = len(prompts) * 8
     assert sum(seen) == sum(map(len, prompts)) + rows * (5 - 1)  # prompts once, then one token per row and step
     assert out.stats["prefill_tokens"] == sum(map(len, prompts)) and out.stats["forks"] == len(prompts) * 7
+    # step-time bins: every step counted once; the first step prefills, the 4 after it decode all rows at once
+    bins = ("prefill", "decode_1_32", "decode_33_128", "decode_129_512", "decode_513_up")
+    counts = {b: out.stats[f"steps_{b}"] for b in bins}
+    assert sum(counts.values()) == out.stats["steps"] and counts["prefill"] >= 1
+    assert counts["decode_1_32" if rows <= 32 else "decode_33_128"] == 4 and all(
+        out.stats[f"step_s_{b}"] >= 0 for b in bins)
     alloc = engine.allocator
     assert alloc.all_free() and all(alloc.ref_count(b) == 0 for b in range(alloc.num_blocks))
 
