@@ -13,9 +13,10 @@ ForcedLengthEngine).
 
 Per mode: build, then untimed warm-up (a rollout whose rows end after at most --warmup-tokens, staggered so that
 it meets every decode bucket: bench.paged.warmup_lengths; and one update of one random micro-batch, which creates
-AdamW's moments), then one timed step of fresh data. Reported: rollout s and tokens/s, decode steps, the rollout's memory floor (every decode step reads the
-weights once and each running row's KV; at the bandwidth of a device-to-device copy measured in the same run),
-update s and tokens/s, step s, peak GiB. Prints a table and writes JSON atomically after each mode.
+AdamW's moments), then one timed step of fresh data. Reported: rollout s and tokens/s, decode steps, the rollout's
+floor (per decode step the larger of: the weights once + each running row's KV at the copy bandwidth, and the
+running rows' linear-layer FLOPs at the bf16 matmul rate, both measured in the same run; rollout_floor_s), the
+engine's step time by rows run, update s and tokens/s, step s, peak GiB. Prints a table and writes JSON atomically after each mode.
 """
 from __future__ import annotations
 
@@ -70,31 +71,51 @@ def recipe(args):
     return exp.train.model_copy(update=changes), args.size or exp.model_size
 
 
-def measure_bandwidth(device: str) -> float:
-    """Bytes/s of a 2 GiB device-to-device copy (read + write), the best of 5."""
+def measure_ceilings(device: str) -> tuple[float, float]:
+    """(copy bytes/s, dense bf16 matmul FLOP/s) of the device, measured now (bench.kernels.measure_ceilings)."""
     if device != "cuda":
-        return float("nan")
-    src = torch.empty(2**30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    del src, dst
-    return 2 * 2**30 / best
+        return float("nan"), float("nan")
+    from bench.kernels import measure_ceilings as measure
+
+    got = measure()
+    return got["copy_GBps"] * 1e9, got["bf16_tflops"] * 1e12
+
+
+def decode_matmul_params(model) -> int:
+    """Multiply-adds per decoded token in the linear layers (the LM head and LoRA factors included; the input
+    embedding is a gather)."""
+    from qerl.quant.linear import FP4Linear
+
+    return sum(m.in_features * m.out_features for m in model.modules()
+               if isinstance(m, (torch.nn.Linear, FP4Linear)))
 
 
 def rollout_floor_bytes(model, lengths: list[int], prompt_len: int, steps: int) -> int:
     """Bytes a rollout must read at least: the weights once per decode step, and at each row's t-th token its
     prompt_len + t cached positions (K and V of every layer)."""
+    kv = sum(length * prompt_len + length * (length + 1) // 2 for length in lengths) * _kv_bytes_per_position(model)
+    return steps * decode_weight_bytes(model) + kv
+
+
+def rollout_floor_s(model, lengths: list[int], prompt_len: int, bandwidth: float, matmul_rate: float) -> float:
+    """Seconds a rollout takes at least: each decode step t (every row still running reads prompt_len + t cached
+    positions) costs max(its bytes / bandwidth, 2 * matmul params * running rows / matmul rate). Few rows: the
+    weight and KV reads bound it; hundreds of rows: the FLOPs do (a bytes-only floor flatters that regime)."""
+    per_pos, weights = _kv_bytes_per_position(model), decode_weight_bytes(model)
+    flops_per_row = 2 * decode_matmul_params(model)
+    ends = np.sort(np.asarray(lengths))
+    total = 0.0
+    for t in range(1, int(ends[-1]) + 1 if len(ends) else 1):
+        running = len(ends) - int(np.searchsorted(ends, t))  # rows with length >= t
+        step_bytes = weights + running * (prompt_len + t) * per_pos
+        total += max(step_bytes / bandwidth, flops_per_row * running / matmul_rate)
+    return total
+
+
+def _kv_bytes_per_position(model) -> int:
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_pos = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
-    kv = sum(length * prompt_len + length * (length + 1) // 2 for length in lengths) * per_pos
-    return steps * decode_weight_bytes(model) + kv
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
 
 
 class _Recording(ForcedLengthEngine):
@@ -113,7 +134,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidth: float) -> dict:
+def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidth: float,
+             matmul_rate: float) -> dict:
     from transformers import AutoTokenizer
 
     from bench.e2e_workers import _random_reward, random_batch, random_prompts
@@ -152,6 +174,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     step_s = time.perf_counter() - t
     stats = engine.last_stats  # the timed rollout's (dense_copy_bytes among them)
     floor = rollout_floor_bytes(model, lengths, args.prompt_len, int(stats.get("steps", 0)))
+    floor_s = rollout_floor_s(model, lengths, args.prompt_len, bandwidth, matmul_rate)
     rollout_s, update_s = batch.metrics["timing/rollout"], metrics["timing/update"]
     update_tokens = int(batch.attention_mask.sum())
     result = dict(mode=f"{mode}+lora", rows=len(lengths), useful_tokens=sum(lengths), warmup_s=warm_s,
@@ -162,7 +185,9 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                      if k.startswith("dense_check_") and k != "dense_check_kept"},
                   dense_check_kept=stats.get("dense_check_kept"),
                   num_blocks=stats.get("num_blocks"), graph_captures_timed=stats.get("graph_captures"),
-                  floor_bytes=floor, floor_s=floor / bandwidth, floor_pct=100 * floor / bandwidth / rollout_s,
+                  floor_bytes=floor, bytes_floor_s=floor / bandwidth, floor_s=floor_s,
+                  floor_pct=100 * floor_s / rollout_s,
+                  **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_"))},
                   update_s=update_s, update_tokens=update_tokens, update_tok_s=update_tokens / update_s,
                   step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                   rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,
@@ -205,21 +230,23 @@ def main(argv=None) -> int:
     rows = train_cfg.batch_size * train_cfg.num_generations
     lengths = draw_lengths(rows, args.median, args.sigma, train_cfg.max_completion_length, args.seed)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    bandwidth = measure_bandwidth(args.device)
+    bandwidth, matmul_rate = measure_ceilings(args.device)
     print(f"{device_name}: {args.experiment} recipe, random Qwen2.5-{size}, {train_cfg.batch_size} prompts x "
           f"{train_cfg.num_generations}, prompts {args.prompt_len} tokens, micro-batch {train_cfg.micro_batch_size}, "
           f"rollout engine {train_cfg.rollout.engine}; completion lengths log-normal (median {args.median:.0f}, "
           f"sigma {args.sigma}, cap {train_cfg.max_completion_length}): mean {np.mean(lengths):.0f}, max "
           f"{max(lengths)}, rows end there (random weights never emit EOS); copy bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s", flush=True)
+          f"{bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s", flush=True)
     payload = {"device": device_name, "torch": torch.__version__, "args": vars(args), "size": size,
                "recipe": json.loads(train_cfg.model_dump_json()), "bandwidth_bytes_s": bandwidth,
-               "note": "random weights; rows end at drawn log-normal lengths (forced EOS); floor = weights once per "
-                       "decode step + each row's KV per token, at the measured copy bandwidth", "results": []}
+               "matmul_flops_s": matmul_rate,
+               "note": "random weights; rows end at drawn log-normal lengths (forced EOS); floor_s = sum over decode "
+                       "steps of max(weights + running rows' KV bytes / copy bandwidth, linear-layer FLOPs of the "
+                       "running rows / bf16 matmul rate), both measured in the same run", "results": []}
     for mode in [m for m in args.modes.split(",") if m]:
         if mode not in ("fp4", "bf16"):
             raise SystemExit(f"--modes: expected fp4 and/or bf16, got {mode!r}")
-        payload["results"].append(run_mode(args, mode, train_cfg, size, lengths, bandwidth))
+        payload["results"].append(run_mode(args, mode, train_cfg, size, lengths, bandwidth, matmul_rate))
         print(_table(payload["results"]), flush=True)
         _write(Path(args.out), payload)
     return 0

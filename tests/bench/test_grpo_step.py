@@ -62,3 +62,21 @@ def test_warmup_lengths_fall_geometrically_through_every_decode_bucket():
         buckets = {1 << (r - 1).bit_length() for r in running if r}  # the engine's power-of-two graph buckets
         assert buckets == {1 << b for b in range(math.ceil(math.log2(rows)) + 1)}, (rows, sorted(buckets))
     assert warmup_lengths(1, 5) == [5] and warmup_lengths(0, 5) == []
+
+
+def test_rollout_floor_seconds_take_the_larger_of_bytes_and_flops_per_step(monkeypatch):
+    config = types.SimpleNamespace(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, num_key_value_heads=2)
+    model = types.SimpleNamespace(config=config)
+    monkeypatch.setattr(grpo_step, "decode_weight_bytes", lambda m: 1000)
+    monkeypatch.setattr(grpo_step, "decode_matmul_params", lambda m: 10)
+    # per position 384 bytes; steps: t=1 two rows read 6 positions, t=2 two rows 7, t=3 one row 8
+    # bytes/1000 B/s = 5.608, 6.376, 4.072 s; FLOPs 2*10*rows / 5 FLOP/s = 8, 8, 4 s
+    got = grpo_step.rollout_floor_s(model, [3, 2], prompt_len=5, bandwidth=1000.0, matmul_rate=5.0)
+    assert got == pytest.approx(8 + 8 + 4.072)
+    bytes_only = grpo_step.rollout_floor_s(model, [3, 2], prompt_len=5, bandwidth=1000.0, matmul_rate=1e12)
+    assert bytes_only == pytest.approx(5.608 + 6.376 + 4.072)
+
+
+def test_decode_matmul_params_count_every_linear_layer_but_not_the_embedding():
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 50))
+    assert grpo_step.decode_matmul_params(model) == 8 * 16 + 16 * 50
