@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from qerl.rollout.attention import attention_implementation, decode_attention
+from tests.rollout.interpreted import run_interpreted
 
 
 def _reference(q, k, v, keep, scale):
@@ -85,15 +85,6 @@ def test_kernel_check_is_a_constant_to_torch_compile(monkeypatch):
 
 
 INTERPRETED = """
-import json, sys
-import torch
-from triton.runtime import interpreter
-original = interpreter._patch_lang_tensor
-def patched(tensor, scope):  # Triton 3.6's interpreter int()s (1,)-shaped program ids, which numpy 2 refuses
-    original(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interpreter._patch_lang_tensor = patched
-sys.path.insert(0, sys.argv[1])
 from tests.rollout.test_attention import _reference
 from qerl.rollout.triton_attention import gqa_decode_attention
 gen = torch.Generator().manual_seed(0)
@@ -107,19 +98,9 @@ print(json.dumps(errors))
 
 
 def test_interpreted_static_kernel_matches_float64_attention():
-    """The static-cache kernel on CPU through Triton's interpreter (a subprocess: TRITON_INTERPRET is read when the
-    kernels are defined): one split, and splits merged by the combine kernel, some of them empty."""
-    pytest.importorskip("triton")
-    import json
-    import subprocess
-    import sys
-
-    repo = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED, repo], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert max(json.loads(proc.stdout.strip().splitlines()[-1])) < 1e-5
+    """The static-cache kernel on CPU through Triton's interpreter: one split, and splits merged by the combine
+    kernel, some of them empty."""
+    assert max(run_interpreted(INTERPRETED)) < 1e-5
 
 
 @pytest.mark.gpu

@@ -3,16 +3,12 @@ through Triton's interpreter (a subprocess, as TRITON_INTERPRET is read when ker
 at Qwen2.5-7B's head layout."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 from qerl.rollout.paged_attention import PagedMeta, _decode_reference
+from tests.rollout.interpreted import run_interpreted
 
 
 class Pool:
@@ -54,16 +50,7 @@ def float64_attention(q, k, v, table, lens, scale):
     return out
 
 
-INTERPRETED = textwrap.dedent("""
-    import json, sys
-    import torch
-    from triton.runtime import interpreter
-    original = interpreter._patch_lang_tensor
-    def patched(tensor, scope):  # Triton 3.6's interpreter int()s (1,)-shaped program ids, which numpy 2 refuses
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    interpreter._patch_lang_tensor = patched
-    sys.path.insert(0, sys.argv[1])
+INTERPRETED = """
     from tests.rollout.test_triton_paged import float64_attention, random_case
     from qerl.rollout.triton_paged import paged_decode
     errors = []
@@ -72,18 +59,12 @@ INTERPRETED = textwrap.dedent("""
         out = paged_decode(q, k, v, table, lens, 0.25, split=split)
         errors.append(float((out.double() - float64_attention(q, k, v, table, lens, 0.25)).abs().max()))
     print(json.dumps(errors))
-""")
+"""
 
 
 def test_interpreted_kernel_matches_float64_attention():
     """Several blocks per tile (16, 32), one tile per block (64), splits with empty ones, a length-1 row."""
-    pytest.importorskip("triton")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([sys.executable, "-c", INTERPRETED, repo], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    errors = run_interpreted(INTERPRETED, timeout=120)
     assert len(errors) == 4 and max(errors) < 1e-5, errors
 
 
