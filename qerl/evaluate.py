@@ -4,6 +4,8 @@
         --base resources/smollm2-135m-instruct --data-dir ../shared/data --out results/demo/eval.json \
         --config config/config.yaml
 
+Variants: trained = the merged 16-bit checkpoint, base = the dense original, quantized_base = the quantize stage's
+output as training saw it (packed NVFP4/MXFP4 through qerl's loader, or bitsandbytes NF4 for the QLoRA rows).
 Per benchmark and variant: greedy accuracy and/or sampled pass@1 over k samples, with standard error and a 95%
 interval, mean response length and truncation count (eval.json, validated against
 workflow/schemas/eval.schema.json), and per-problem records (JSONL, logged to MLflow).
@@ -29,16 +31,38 @@ def model_dir(ref: str | Path, revision: str | None = None, what: str = "model")
     return check_checkpoint(resolve_model(str(ref), revision, what=what), what)
 
 
+def check_loadable(path: Path, flag: str, dtype: str) -> None:
+    """A quantized checkpoint the torch engines can load here (compressed-tensors NVFP4/MXFP4, or bitsandbytes NF4
+    on a device bitsandbytes runs it on); a one-line error naming the flag and directory otherwise."""
+    from qerl.hub import read_json
+    from qerl.quant.loader import quantization_format
+    from qerl.quant.nf4 import is_nf4_checkpoint, require_nf4
+    from qerl.trainer import resolve_device_dtype
+
+    qcfg = read_json(path / "config.json").get("quantization_config")
+    if not qcfg:
+        return
+    if is_nf4_checkpoint(qcfg):
+        require_nf4(resolve_device_dtype(dtype)[0], f"{flag} {path} (bitsandbytes NF4)")
+    else:
+        quantization_format(qcfg, path / "config.json")
+
+
 def load_for_eval(path: str | Path, dtype: str):
-    """A dense HF model, or the packed FP4 model for a compressed-tensors checkpoint (never a bf16 copy)."""
+    """A dense HF model, the packed FP4 model for a compressed-tensors checkpoint (never a bf16 copy), or the
+    bitsandbytes NF4 model (QLoRA's base as training ran on it) for an NF4 checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from qerl.hub import read_json
     from qerl.quant.loader import is_quantized_checkpoint, load_quantized_model
+    from qerl.quant.nf4 import is_nf4_checkpoint, load_nf4_model
     from qerl.trainer import resolve_device_dtype
 
     device, torch_dtype = resolve_device_dtype(dtype)
     p = model_dir(path)
-    if is_quantized_checkpoint(p):
+    if is_quantized_checkpoint(p) and is_nf4_checkpoint(read_json(p / "config.json")["quantization_config"]):
+        model = load_nf4_model(p, torch_dtype, device)
+    elif is_quantized_checkpoint(p):
         model = load_quantized_model(p, dtype=torch_dtype, device=device)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch_dtype).to(device)
@@ -136,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     # fail on a bad benchmark or model path before loading any model
     benchmarks = [_records(entry, data_dir, cfg.limit) for entry in cfg.benchmarks]
     dirs = _variant_dirs(cfg.variants, paths, args.revision)
+    if cfg.engine != "vllm":  # vLLM reads the quantization_config itself
+        for variant, path in dirs.items():
+            check_loadable(path, f"--{variant.split('_')[0]}", cfg.dtype)
 
     from qerl.evaluation import validate_eval
     from qerl.io import atomic_write_json

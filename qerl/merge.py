@@ -1,9 +1,13 @@
 """Stage 3: merge the LoRA adapter into the (dequantized) base; write a plain bf16 HF checkpoint.
 
+The base is what training ran on: dense, compressed-tensors NVFP4/MXFP4, or bitsandbytes NF4 (QLoRA), dequantized
+to float32 before the merge; the output loads with transformers alone (no bitsandbytes, no compressed-tensors).
+
     python -m qerl.merge --experiment demo --base results/demo/quantized --adapter results/demo/adapter \
         --out results/demo/merged --config config/config.yaml
 
-merge.json (inside the output) records max |merged - (deq(W) + B A * scale)| over all layers.
+merge.json (inside the output) records max |merged - (deq(W) + B A * scale)| over all layers and, under
+merged_from, the base, its format and quantization_config, and the adapter with its rank, alpha and scaling.
 """
 from __future__ import annotations
 
@@ -35,18 +39,21 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_section(args, "merge")
     base = check_checkpoint(resolve_model(args.base, what="--base"), "--base")
     require_dir(args.adapter, "--adapter", must_contain=())
+    full = not (Path(args.adapter) / "adapter_config.json").exists()
+    if full and cfg.requantize:
+        raise QerlError("merge.requantize: not available for full fine-tuning output; quantize it separately")
 
     import torch
 
-    from qerl.merging import merge_adapter
+    from qerl.merging import check_merge_inputs, merge_adapter
     from qerl.tracking import stage_run
+
+    if not full:
+        check_merge_inputs(base, args.adapter)  # a bad adapter or base fails here, before the MLflow run opens
 
     params = {"base": args.base, "adapter": args.adapter, "dtype": args.dtype, **cfg.model_dump(mode="json")}
     with stage_run(experiment=args.experiment, stage="merge", params=params, run_file=default_run_file(args, "merge"),
                    **tracking_args(args)) as run:
-        full = not (Path(args.adapter) / "adapter_config.json").exists()
-        if full and cfg.requantize:
-            raise QerlError("merge.requantize: not available for full fine-tuning output; quantize it separately")
         with atomic_dir(args.out) as tmp:
             if full:
                 check_checkpoint(args.adapter, "--adapter (full fine-tuning output)")
@@ -56,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
                                        requantize=cfg.requantize)
             atomic_write_json(Path(tmp) / "merge.json", report)
         run.log_report(report)
+        if "merged_from" in report:
+            run.set_tags({f"merged_from.{k}": str(v) for k, v in report["merged_from"].items()})
         run.log_artifact(Path(args.out) / "merge.json")
     print(f"merged {args.adapter} into {args.base} -> {args.out}")
 

@@ -3,10 +3,12 @@
     from qerl.merging import merge_adapter
     report = merge_adapter("results/exp/quantized", "results/exp/adapter", "results/exp/merged")
 
-An FP4 base is dequantized exactly in float32, the adapter is merged by peft's merge_and_unload on that dense
-model, trained RMSNorm scales (qerl.checkpoint's trained_norms.safetensors) are copied in, and the result is cast
-to `dtype` once and saved without scale tensors or quantization_config. The report's max_abs_diff is recomputed
-from the files alone: saved weight vs deq(W) + B @ A * scaling in float64.
+An FP4 base is dequantized exactly in float32, an NF4 base (bitsandbytes, QLoRA's) by bitsandbytes' own
+dequantize_4bit (exact in float32), the adapter is merged by peft's merge_and_unload on that dense model, trained
+RMSNorm scales (qerl.checkpoint's trained_norms.safetensors) are copied in, and the result is cast to `dtype` once
+and saved without scale tensors or quantization_config. The report's max_abs_diff is recomputed from the files
+alone: saved weight vs deq(W) + B @ A * scaling in float64. Its merged_from names the base, its format and
+quantization_config, and the adapter with its rank, alpha and scaling.
 """
 from __future__ import annotations
 
@@ -22,21 +24,13 @@ from qerl.hub import check_checkpoint, read_json, resolve_model, safetensors_hea
 TRAINED_NORMS_FILE = "trained_norms.safetensors"  # written by qerl.checkpoint.save_trained_norms
 
 
-def _dense_from_fp4(base_dir: Path) -> nn.Module:
-    """A float32 HF model whose quantized Linears hold deq(W) (exact: E2M1 x FP8 / FP32 fits in float32)."""
+def _dense_model(base_dir: Path, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A fresh float32 HF model of base_dir's architecture holding state: no quantization_config, and none of
+    from_pretrained's load-time weight conversions, which save_pretrained would try to reverse."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from qerl.quant.loader import _materialize_computed_buffers, load_quantized_model
+    from qerl.quant.loader import _materialize_computed_buffers
 
-    fp4 = load_quantized_model(base_dir, dtype=torch.float32)
-    state = {}
-    for name, tensor in fp4.state_dict().items():
-        module_name, _, leaf = name.rpartition(".")
-        if leaf in ("weight_packed", "weight_scale", "weight_global_scale"):
-            if leaf == "weight_packed":
-                state[f"{module_name}.weight"] = fp4.get_submodule(module_name).dequantize_weight(torch.float32)
-        else:
-            state[name] = tensor
     config = AutoConfig.from_pretrained(str(base_dir))
     del config.quantization_config
     with torch.device("meta"):
@@ -47,14 +41,45 @@ def _dense_from_fp4(base_dir: Path) -> nn.Module:
     return dense
 
 
-def _load_base(base_dir: Path) -> tuple[nn.Module, bool]:
+def _dense_from_fp4(base_dir: Path) -> nn.Module:
+    """A float32 HF model whose quantized Linears hold deq(W) (exact: E2M1 x FP8 / FP32 fits in float32)."""
+    from qerl.quant.loader import load_quantized_model
+
+    fp4 = load_quantized_model(base_dir, dtype=torch.float32)
+    state = {}
+    for name, tensor in fp4.state_dict().items():
+        module_name, _, leaf = name.rpartition(".")
+        if leaf in ("weight_packed", "weight_scale", "weight_global_scale"):
+            if leaf == "weight_packed":
+                state[f"{module_name}.weight"] = fp4.get_submodule(module_name).dequantize_weight(torch.float32)
+        else:
+            state[name] = tensor
+    return _dense_model(base_dir, state)
+
+
+def base_format(base_dir: Path) -> str:
+    """'dense', 'nf4' (bitsandbytes), or the compressed-tensors 'nvfp4' / 'mxfp4'; a one-line error for others."""
+    from qerl.quant.loader import quantization_format
+    from qerl.quant.nf4 import is_nf4_checkpoint
+
+    qcfg = read_json(base_dir / "config.json").get("quantization_config")
+    if not qcfg:
+        return "dense"
+    return "nf4" if is_nf4_checkpoint(qcfg) else quantization_format(qcfg, base_dir / "config.json")
+
+
+def _load_base(base_dir: Path, fmt: str) -> nn.Module:
+    """The base as a dense float32 model whose Linears hold exactly the weights training multiplied by."""
     from transformers import AutoModelForCausalLM
 
-    from qerl.quant.loader import is_quantized_checkpoint
+    if fmt == "nf4":
+        from qerl.quant.nf4 import dequantized_nf4_state
 
-    if is_quantized_checkpoint(base_dir):
-        return _dense_from_fp4(base_dir), True
-    return AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32), False
+        # peft's merge into a bnb Linear4bit re-quantizes W + BA to NF4 (the delta lost to rounding): merge dense
+        return _dense_model(base_dir, dequantized_nf4_state(base_dir, torch.float32))
+    if fmt != "dense":
+        return _dense_from_fp4(base_dir)
+    return AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
 
 
 def _copy_trained_norms(model: nn.Module, adapter_dir: Path) -> list[str]:
@@ -119,14 +144,26 @@ def _linear_shape(base: dict[str, tuple[int, ...]], module: str) -> tuple[int, i
     return None
 
 
-def _check_adapter_fits(adapter_dir: Path, base_dir: Path, cfg: dict) -> None:
+def _base_shapes(base_dir: Path, fmt: str) -> dict[str, tuple[int, ...]]:
+    """Stored tensor shapes; an NF4 layer's packed bytes are stored as (n/2, 1): its shape is in its quant state."""
+    base = tensor_shapes(base_dir)
+    if fmt == "nf4":
+        from qerl.quant.nf4 import NF4_STATE_SUFFIX, stored_nf4_layers, stored_nf4_shape
+
+        tensors = _Tensors(base_dir)
+        base.update({f"{m}.weight": stored_nf4_shape(tensors[m + NF4_STATE_SUFFIX])
+                     for m in stored_nf4_layers(tensors.keys())})
+    return base
+
+
+def _check_adapter_fits(adapter_dir: Path, base_dir: Path, cfg: dict, fmt: str) -> None:
     """Every LoRA pair must sit on a base Linear of its shape: an adapter trained for another base fails here,
     naming the layer, instead of deep inside peft."""
     file = adapter_dir / "adapter_model.safetensors"
     if not file.is_file():
         raise QerlError(f"{adapter_dir}: no adapter_model.safetensors (pickled adapter_model.bin is not loaded)")
     adapter = {k: tuple(t["shape"]) for k, t in safetensors_header(file).items()}
-    base = tensor_shapes(base_dir)
+    base = _base_shapes(base_dir, fmt)
     targets, modules = cfg["target_modules"], {name.rpartition(".")[0] for name in base}
     # peft's list matching: a module name equal to a target or ending in "."+target (a str is a regex: skipped)
     if isinstance(targets, list) and not any(m == t or m.endswith("." + t) for m in modules for t in targets):
@@ -163,6 +200,9 @@ class _Tensors:
     def __contains__(self, key: str) -> bool:
         return key in self.files
 
+    def keys(self):
+        return self.files.keys()
+
     def __getitem__(self, key: str) -> torch.Tensor:
         with self._open(str(self.files[key]), framework="pt") as f:
             return f.get_tensor(key)
@@ -174,6 +214,7 @@ class _Tensors:
 def _independent_max_diff(base_dir: Path, adapter_dir: Path, out_dir: Path) -> tuple[float, float, int]:
     """max |merged - (deq(W) + B @ A * scaling)| over the adapted layers, from the three directories' files."""
     from qerl.quant.format import dequantize
+    from qerl.quant.nf4 import NF4_STATE_SUFFIX, dequantize_stored_nf4
 
     _, scaling = _lora_scaling(adapter_dir)
     adapter, base, merged = _Tensors(adapter_dir), _Tensors(base_dir), _Tensors(out_dir)
@@ -181,7 +222,9 @@ def _independent_max_diff(base_dir: Path, adapter_dir: Path, out_dir: Path) -> t
     for key in sorted(k for k in adapter.files if k.endswith("lora_A.weight")):
         module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
         a, b = adapter[key].double(), adapter[key.replace("lora_A", "lora_B")].double()
-        if f"{module}.weight_packed" in base:
+        if module + NF4_STATE_SUFFIX in base:
+            w = dequantize_stored_nf4(base, module).double()
+        elif f"{module}.weight_packed" in base:
             w = dequantize(base[f"{module}.weight_packed"], base[f"{module}.weight_scale"],
                            base.get(f"{module}.weight_global_scale"), dtype=torch.float64)
         else:
@@ -194,6 +237,30 @@ def _independent_max_diff(base_dir: Path, adapter_dir: Path, out_dir: Path) -> t
     return max_diff, max_weight, count
 
 
+def check_merge_inputs(base_dir, adapter_dir) -> tuple[Path, str]:
+    """(checked base dir, its format) once the adapter fits the base and the base can be dequantized here; a
+    one-line error naming the file or layer otherwise. Reads headers and small tensors only."""
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise QerlError(f"adapter_dir: {adapter_dir}/adapter_config.json not found (expected a PEFT adapter)")
+    base_dir = check_checkpoint(resolve_model(str(base_dir), what="base_dir"), "base_dir")
+    fmt = base_format(base_dir)
+    if fmt == "nf4":
+        from qerl.quant.nf4 import require_nf4
+
+        require_nf4("cpu", f"base {base_dir} (bitsandbytes NF4)")  # the merge dequantizes on CPU
+    _check_adapter_fits(adapter_dir, base_dir, _adapter_config(adapter_dir), fmt)
+    return base_dir, fmt
+
+
+def _merged_from(base_dir: Path, fmt: str, adapter_dir: Path) -> dict:
+    cfg, scaling = _lora_scaling(adapter_dir)
+    return {"base": str(base_dir), "base_format": fmt,
+            "base_quantization_config": read_json(base_dir / "config.json").get("quantization_config"),
+            "adapter": str(adapter_dir), "lora_r": cfg["r"], "lora_alpha": cfg["lora_alpha"],
+            "use_rslora": bool(cfg.get("use_rslora")), "lora_scaling": scaling}
+
+
 def merge_adapter(base_dir, adapter_dir, out_dir, *, dtype: torch.dtype = torch.bfloat16,
                   requantize: str | None = None) -> dict:
     """Write base + LoRA (+ trained norms) to out_dir as a plain checkpoint in dtype; return the merge report.
@@ -201,20 +268,16 @@ def merge_adapter(base_dir, adapter_dir, out_dir, *, dtype: torch.dtype = torch.
     from peft import PeftModel
 
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
-    if not (adapter_dir / "adapter_config.json").is_file():
-        raise QerlError(f"adapter_dir: {adapter_dir}/adapter_config.json not found (expected a PEFT adapter)")
-    base_dir = check_checkpoint(resolve_model(str(base_dir), what="base_dir"), "base_dir")
-    # validate before the heavy work
-    _check_adapter_fits(adapter_dir, base_dir, _adapter_config(adapter_dir))
-    base, quantized = _load_base(base_dir)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    base_dir, fmt = check_merge_inputs(base_dir, adapter_dir)  # validate before the heavy work
+    merged = PeftModel.from_pretrained(_load_base(base_dir, fmt), str(adapter_dir)).merge_and_unload()
     norms = _copy_trained_norms(merged, adapter_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _save_plain(merged, base_dir, adapter_dir, out_dir, dtype)
     max_diff, max_weight, count = _independent_max_diff(base_dir, adapter_dir, out_dir)
-    report = {"base": str(base_dir), "adapter": str(adapter_dir), "base_quantized": quantized,
+    report = {"base": str(base_dir), "adapter": str(adapter_dir), "base_quantized": fmt != "dense",
               "dtype": str(dtype).removeprefix("torch."), "merged_layers": count, "trained_norms_copied": len(norms),
-              "max_abs_diff": max_diff, "max_abs_weight": max_weight}
+              "max_abs_diff": max_diff, "max_abs_weight": max_weight,
+              "merged_from": _merged_from(base_dir, fmt, adapter_dir)}
     if requantize:
         from qerl.quant.compress import quantize_checkpoint
 

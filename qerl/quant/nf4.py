@@ -108,3 +108,49 @@ def quantize_linears_nf4(model: nn.Module, dtype: torch.dtype, targets: tuple[st
             swapped += 1
     prepare_nf4_layers(model, dtype)
     return swapped
+
+
+# bitsandbytes' packed non-tensor state (shape, dtype, blocksize, ...) of one stored NF4 layer
+NF4_STATE_SUFFIX = ".weight.quant_state.bitsandbytes__nf4"
+
+
+def load_nf4_model(path, dtype: torch.dtype, device) -> nn.Module:
+    """An NF4 checkpoint of the quantize stage (scheme nf4) as transformers + bitsandbytes load it: Linear4bit
+    layers computing in dtype on device (cuda, or cpu with bitsandbytes >= 0.47)."""
+    from transformers import AutoModelForCausalLM
+
+    require_nf4(device, f"NF4 checkpoint {path}")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map={"": torch.device(device)})
+    prepare_nf4_layers(model, dtype)
+    return model
+
+
+def dequantized_nf4_state(path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The state dict of an NF4 checkpoint loaded on CPU with every NF4 weight replaced by bitsandbytes'
+    dequantize_4bit(W) cast to dtype: the weights QLoRA's forward multiplies by (exact in float32)."""
+    model = load_nf4_model(path, dtype, "cpu")
+    # transformers' dequantize is bitsandbytes' dequantize_4bit per layer, swapping Linear4bit for nn.Linear
+    return model.dequantize(dtype=dtype).state_dict()
+
+
+def stored_nf4_layers(names) -> list[str]:
+    """The module names a checkpoint stores as NF4 (those with bitsandbytes' packed quant state)."""
+    return sorted(n.removesuffix(NF4_STATE_SUFFIX) for n in names if n.endswith(NF4_STATE_SUFFIX))
+
+
+def stored_nf4_shape(packed_state: torch.Tensor) -> tuple[int, int]:
+    """(out_features, in_features) of a stored NF4 layer from its packed quant state tensor."""
+    from bitsandbytes.utils import unpack_tensor_to_dict
+
+    return tuple(unpack_tensor_to_dict(packed_state)["shape"])
+
+
+def dequantize_stored_nf4(tensors, module: str) -> torch.Tensor:
+    """W of one stored NF4 layer by bitsandbytes' dequantize_4bit, from a checkpoint's tensors (a mapping with
+    keys() and [name]), in the dtype it was quantized from."""
+    import bitsandbytes as bnb
+
+    prefix = f"{module}.weight."
+    state = {k.removeprefix(prefix): tensors[k] for k in tensors.keys() if k.startswith(prefix)}
+    quant_state = bnb.functional.QuantState.from_dict(state, device=torch.device("cpu"))
+    return bnb.functional.dequantize_4bit(tensors[f"{module}.weight"], quant_state)
