@@ -127,8 +127,14 @@ def load_nf4_model(path, dtype: torch.dtype, device) -> nn.Module:
 
 def dequantized_nf4_state(path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The state dict of an NF4 checkpoint loaded on CPU with every NF4 weight replaced by bitsandbytes'
-    dequantize_4bit(W) cast to dtype: the weights QLoRA's forward multiplies by (exact in float32)."""
+    dequantize_4bit(W) in dtype: the weights bitsandbytes' forward multiplies by when it computes in dtype."""
+    import bitsandbytes as bnb
+
     model = load_nf4_model(path, dtype, "cpu")
+    for layer in model.modules():
+        if isinstance(layer, bnb.nn.Linear4bit):
+            # bitsandbytes' matmul dequantizes in its input's dtype; dequantize_4bit would round to the stored one
+            layer.weight.quant_state.dtype = dtype
     # transformers' dequantize is bitsandbytes' dequantize_4bit per layer, swapping Linear4bit for nn.Linear
     return model.dequantize(dtype=dtype).state_dict()
 
@@ -145,12 +151,13 @@ def stored_nf4_shape(packed_state: torch.Tensor) -> tuple[int, int]:
     return tuple(unpack_tensor_to_dict(packed_state)["shape"])
 
 
-def dequantize_stored_nf4(tensors, module: str) -> torch.Tensor:
-    """W of one stored NF4 layer by bitsandbytes' dequantize_4bit, from a checkpoint's tensors (a mapping with
-    keys() and [name]), in the dtype it was quantized from."""
+def dequantize_stored_nf4(tensors, module: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W of one stored NF4 layer by bitsandbytes' dequantize_4bit in dtype (as its forward in dtype does), from a
+    checkpoint's tensors (a mapping with keys() and [name])."""
     import bitsandbytes as bnb
 
     prefix = f"{module}.weight."
     state = {k.removeprefix(prefix): tensors[k] for k in tensors.keys() if k.startswith(prefix)}
     quant_state = bnb.functional.QuantState.from_dict(state, device=torch.device("cpu"))
+    quant_state.dtype = dtype
     return bnb.functional.dequantize_4bit(tensors[f"{module}.weight"], quant_state)
