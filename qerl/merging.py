@@ -4,11 +4,11 @@
     report = merge_adapter("results/exp/quantized", "results/exp/adapter", "results/exp/merged")
 
 An FP4 base is dequantized exactly in float32, an NF4 base (bitsandbytes, QLoRA's) by bitsandbytes' own
-dequantize_4bit in float32 (what its float32 forward multiplies by), the adapter is merged by peft's merge_and_unload on that dense model, trained
-RMSNorm scales (qerl.checkpoint's trained_norms.safetensors) are copied in, and the result is cast to `dtype` once
-and saved without scale tensors or quantization_config. The report's max_abs_diff is recomputed from the files
-alone: saved weight vs deq(W) + B @ A * scaling in float64. Its merged_from names the base, its format and
-quantization_config, and the adapter with its rank, alpha and scaling.
+dequantize_4bit in float32 (what its float32 forward multiplies by); peft's merge_and_unload merges the adapter
+into that dense model, trained RMSNorm scales (qerl.checkpoint's trained_norms.safetensors) are copied in, and the
+result is cast to `dtype` once and saved without scale tensors or quantization_config. The report's max_abs_diff is
+recomputed from the files alone: saved weight vs deq(W) + B @ A * scaling in float64. Its merged_from names the
+base, its format and quantization_config, and the adapter with its rank, alpha and scaling.
 """
 from __future__ import annotations
 

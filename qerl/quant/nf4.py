@@ -1,8 +1,10 @@
 """NF4 (bitsandbytes 4-bit NormalFloat): the base weights of the QLoRA baseline (paper Tables 1 and 3).
 
-    from qerl.quant.nf4 import nf4_config, require_nf4
+    from qerl.quant.nf4 import dequantized_nf4_state, load_nf4_model, nf4_config, require_nf4
     require_nf4("cuda", "train.mode qlora_nf4")      # one-line QerlError when NF4 cannot run on that device
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=nf4_config(torch.bfloat16), ...)
+    model = load_nf4_model("results/exp/quantized", torch.bfloat16, "cuda")   # the quantize stage's output
+    state = dequantized_nf4_state("results/exp/quantized")                     # float32 weights, for the merge
 
 QLoRA's recipe (Dettmers et al., 2023): NF4 codes in blocks of 64 weights, the blocks' absmax scales themselves
 8-bit quantized in blocks of 256 (double quantization), matmuls computed in `dtype` after dequantizing. bitsandbytes
