@@ -87,15 +87,16 @@ def _load_nf4(model_path: Path, dtype: torch.dtype, device, quantized: bool) -> 
     from transformers import AutoModelForCausalLM
 
     from qerl.hub import read_json
-    from qerl.quant.nf4 import is_nf4_checkpoint, nf4_config, prepare_nf4_layers, require_nf4
+    from qerl.quant.nf4 import is_nf4_checkpoint, load_nf4_model, nf4_config, prepare_nf4_layers, require_nf4
 
     require_nf4(device, "mode qlora_nf4")
-    if quantized and not is_nf4_checkpoint(read_json(model_path / "config.json").get("quantization_config")):
-        raise QerlError(f"mode qlora_nf4: {model_path} is quantized, but not with bitsandbytes NF4; use the dense "
-                        f"model or the quantize stage's output of scheme nf4")
-    quantize = {} if quantized else {"quantization_config": nf4_config(dtype)}  # a saved one is read as it is
+    if quantized:
+        if not is_nf4_checkpoint(read_json(model_path / "config.json").get("quantization_config")):
+            raise QerlError(f"mode qlora_nf4: {model_path} is quantized, but not with bitsandbytes NF4; use the dense "
+                            f"model or the quantize stage's output of scheme nf4")
+        return load_nf4_model(model_path, dtype, device)
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, device_map={"": torch.device(device)},
-                                                 **quantize)
+                                                 quantization_config=nf4_config(dtype))
     prepare_nf4_layers(model, dtype)
     return model
 
