@@ -16,7 +16,7 @@ from typing import Callable
 from pydantic import BaseModel
 
 from qerl.config import load_config, parse_section
-from qerl.errors import QerlError
+from qerl.errors import QerlError, is_out_of_memory, out_of_memory
 from qerl.paths import Layout
 from qerl.tracking import add_mlflow_args
 
@@ -88,4 +88,9 @@ def run_main(fn: Callable[[list[str] | None], None], argv: list[str] | None = No
         fn(argv)
     except QerlError as err:
         sys.stderr.write(f"error: {err}\n")
+        sys.exit(2)
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise
+        sys.stderr.write(f"error: {out_of_memory(err, 'this stage')}\n")  # where no phase named it more closely
         sys.exit(2)

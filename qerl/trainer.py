@@ -23,7 +23,7 @@ import torch
 from qerl.aqn import aqn_sigma, aqn_stage
 from qerl.checkpoint import CheckpointRun, NonFiniteState, load_checkpoint
 from qerl.distributed import SINGLE, Ranks
-from qerl.errors import QerlError
+from qerl.errors import QerlError, is_out_of_memory, out_of_memory
 from qerl.fsdp import data_parallel
 from qerl.grpo import group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.optim import build_optimizer
@@ -42,6 +42,17 @@ def resolve_device_dtype(dtype: str) -> tuple[str, torch.dtype]:
     if dtype == "auto":
         return device, torch.bfloat16 if device == "cuda" else torch.float32
     return device, getattr(torch, dtype)
+
+
+@contextlib.contextmanager
+def _out_of_memory_names(what: str, knobs: str):
+    """A CUDA out-of-memory error inside becomes one QerlError line naming the phase and the knobs that lower it."""
+    try:
+        yield
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            raise out_of_memory(exc, what, knobs) from exc
+        raise
 
 
 def _step_seed(seed: int, step: int, salt: int) -> int:
@@ -186,7 +197,12 @@ class GRPOTrainer:
         answers = [self.answers[i] for i in idx for _ in range(g)]
         sigma, stage = self.sigma(step)
         t0 = time.perf_counter()
-        out, noise_stats = self._generate(step, prompts, self.sampling(step, first_row=groups.start * g), sigma)
+        cfg = self.cfg
+        knobs = (f"lower train.rollout.gpu_memory_utilization (now {cfg.rollout.gpu_memory_utilization}), "
+                 f"max_completion_length (now {cfg.max_completion_length}) or the rows of a step (batch_size x "
+                 f"num_generations); `python -m qerl.config memory` prints the estimate per GPU")
+        with _out_of_memory_names(f"the rollout of step {step + 1}", knobs):
+            out, noise_stats = self._generate(step, prompts, self.sampling(step, first_row=groups.start * g), sigma)
         t_rollout = time.perf_counter() - t0
         values, timeouts = self._reward_values(out.texts(self.tokenizer), answers)
         lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float32)
@@ -326,6 +342,14 @@ class GRPOTrainer:
         """num_iterations optimizer steps on this rank's rows; the loss is normalised by the whole step's token
         and micro-batch counts (every rank's) and the gradients summed over ranks before clipping, so N ranks of
         B/N prompts give one rank's update of B."""
+        cfg = self.cfg
+        knobs = (f"lower train.micro_batch_size (now {cfg.micro_batch_size}) or max_completion_length (now "
+                 f"{cfg.max_completion_length}), or turn on gradient_checkpointing (now {cfg.gradient_checkpointing}) "
+                 f"and offload_activations (now {cfg.offload_activations})")
+        with _out_of_memory_names(f"the update of step {step + 1}", knobs):
+            return self._update(batch, step)
+
+    def _update(self, batch: Batch, step: int) -> dict[str, float]:
         cfg = self.cfg
         rows_total = batch.input_ids.shape[0]
         slices = [slice(i, i + cfg.micro_batch_size) for i in range(0, rows_total, cfg.micro_batch_size)]
