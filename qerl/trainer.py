@@ -94,16 +94,33 @@ class Batch:
 
 
 
-def micro_batch(batch: Batch, rows: slice) -> Batch:
-    """`rows` of the batch, completions cut after the longest one among them: right padding past it changes no
-    log-prob (causal attention), and a long-tailed rollout would otherwise compute every micro-batch at the
-    step's longest completion."""
+def micro_batch(batch: Batch, rows: slice | torch.Tensor) -> Batch:
+    """`rows` (a slice or row indices) of the batch, completions cut after the longest one among them: right
+    padding past it changes no log-prob (causal attention), and a long-tailed rollout would otherwise compute every
+    micro-batch at the step's longest completion."""
     plen = batch.input_ids.shape[1] - batch.completion_len
     real = batch.attention_mask[rows, plen:].bool().any(dim=0).nonzero()
     width = int(real[-1]) + 1 if len(real) else 1
     return Batch(input_ids=batch.input_ids[rows, :plen + width],
                  attention_mask=batch.attention_mask[rows, :plen + width], completion_mask=batch.completion_mask[rows, :width],
                  rollout_logprobs=batch.rollout_logprobs[rows, :width], advantages=batch.advantages[rows])
+
+
+def micro_batch_rows(batch: Batch, size: int, unit: int = 1, by_length: bool = True) -> list[torch.Tensor]:
+    """Row indices of the update's micro-batches of `size` rows. by_length: units of `unit` consecutive rows (a
+    prompt's G samples when their prompt is computed once, else single rows) ordered by their longest completion,
+    longest first, so that each micro-batch pads close to its own rows' lengths (log-normal RL lengths padded to the
+    longest of 16 consecutive rows compute ~1.9x the real tokens; ordered, ~1.03x) and the largest one runs first.
+    For a loss that is a sum over rows with constant normalisers the gradient is the same (to float rounding);
+    else (by_length False) consecutive rows."""
+    rows = batch.input_ids.shape[0]
+    if not by_length or size % unit or rows % unit:
+        return [torch.arange(i, min(i + size, rows)) for i in range(0, rows, size)]
+    plen = batch.input_ids.shape[1] - batch.completion_len
+    lengths = batch.attention_mask[:, plen:].sum(dim=1).view(-1, unit).amax(dim=1)
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    units = (order[:, None] * unit + torch.arange(unit)).reshape(-1)
+    return list(units.split(size))
 
 
 def engine_options(cfg: TrainConfig) -> dict[str, Any]:
@@ -351,8 +368,9 @@ class GRPOTrainer:
 
     def _update(self, batch: Batch, step: int) -> dict[str, float]:
         cfg = self.cfg
-        rows_total = batch.input_ids.shape[0]
-        slices = [slice(i, i + cfg.micro_batch_size) for i in range(0, rows_total, cfg.micro_batch_size)]
+        # bnpo's token mean is per micro-batch: its rows stay as they came; every other loss sums over rows
+        slices = micro_batch_rows(batch, cfg.micro_batch_size, cfg.num_generations if self.share_prefix else 1,
+                                  by_length=cfg.loss_type != "bnpo")
         n_tokens = self.ranks.all_reduce(batch.completion_mask.sum())
         accumulation = len(slices) * self.ranks.world_size
         subs = [micro_batch(batch, s) for s in slices]  # each cut to its own longest completion

@@ -1,4 +1,5 @@
 """The update's micro-batches are cut to their own longest completion, with the log-probs of the uncut rows."""
+import pytest
 import torch
 
 from qerl.grpo import token_logprobs
@@ -42,3 +43,79 @@ def test_cut_rows_have_the_log_probs_of_the_whole_width(tiny_model_dir):
     cut, _ = token_logprobs(model, sub.input_ids, sub.attention_mask, sub.completion_len)
     mask = sub.completion_mask.bool()
     torch.testing.assert_close(cut[mask], full[:, :sub.completion_len][mask], rtol=1e-10, atol=1e-10)
+
+
+def test_rows_ordered_by_length_in_whole_units_longest_first():
+    from bench.paged import draw_lengths
+    from qerl.trainer import micro_batch_rows
+
+    batch = _batch([2, 5, 9, 1, 3, 3, 0, 7])
+    parts = micro_batch_rows(batch, 2)
+    assert [p.tolist() for p in parts] == [[2, 7], [1, 4], [5, 0], [3, 6]]  # 9 7 | 5 3 | 3 2 | 1 0 (stable ties)
+    groups = micro_batch_rows(batch, 4, unit=2)  # units (0,1) max 5, (2,3) 9, (4,5) 3, (6,7) 7
+    assert [p.tolist() for p in groups] == [[2, 3, 6, 7], [0, 1, 4, 5]]
+    assert [p.tolist() for p in micro_batch_rows(batch, 4, by_length=False)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # RL's long-tailed lengths: padded tokens of 16-row micro-batches vs the real ones
+    lengths = draw_lengths(1024, 400, 0.6, 4096, 0)
+    long = _batch(lengths, plen=4, width=max(lengths))
+
+    def padded(parts):
+        return sum(len(p) * micro_batch(long, p).completion_len for p in parts) / sum(lengths)
+
+    assert padded(micro_batch_rows(long, 16)) < 1.05 < 1.8 < padded(micro_batch_rows(long, 16, by_length=False))
+
+
+def _grads(tiny_model_dir, tmp_path, batch, monkeypatch, *, by_length, loss_type, checkpointing):
+    from bench.e2e_workers import _random_reward
+    from qerl import trainer as trainer_module
+    from qerl.config import TrainConfig
+    from qerl.policy import LoraSpec, load_policy
+
+    torch.manual_seed(0)
+    model, tok = load_policy(tiny_model_dir, mode="lora", dtype=torch.float64, device="cpu",
+                             lora=LoraSpec(r=2, alpha=4), gradient_checkpointing=checkpointing)
+    model.double()  # float64 throughout: what is left of a difference is the loss, not rounding
+    for name, p in model.named_parameters():  # B starts at zero: give the adapter a gradient through both factors
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(1))
+    cfg = TrainConfig(mode="lora", data={"source": "bench"}, rewards=["bench.e2e_workers:_random_reward"],
+                      num_generations=2, batch_size=4, micro_batch_size=2, max_steps=1, max_completion_length=9,
+                      aqn=None, lora={"lora_r": 2, "lora_alpha": 4}, dtype="float32", loss_type=loss_type,
+                      gradient_checkpointing=checkpointing, max_grad_norm=1e9)
+    trainer = trainer_module.GRPOTrainer(cfg, model, tok, [[5, 6]] * 4, ["0"] * 4, [("random", _random_reward, 1.0)],
+                                         checkpoint_dir=tmp_path)
+    seen = []
+    original = trainer_module.micro_batch_rows
+
+    def rows(*args, **kwargs):
+        parts = original(*args, **{**kwargs, "by_length": by_length and kwargs.get("by_length", True)})
+        seen.append([p.tolist() for p in parts])
+        return parts
+
+    monkeypatch.setattr(trainer_module, "micro_batch_rows", rows)
+    monkeypatch.setattr(trainer.optimizer, "step", lambda *a, **k: None)  # keep the accumulated gradient
+    monkeypatch.setattr(trainer.optimizer, "zero_grad", lambda *a, **k: None)
+    trainer.update(batch, 0)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, seen[0]
+
+
+@pytest.mark.parametrize("loss_type,checkpointing", [("dapo", True), ("grpo", True), ("dr_grpo", False),
+                                                     ("dapo", False)])
+def test_length_ordered_micro_batches_give_the_consecutive_gradient(tiny_model_dir, tmp_path, monkeypatch,
+                                                                    loss_type, checkpointing):
+    batch = _batch([2, 9, 1, 8, 3, 7, 9, 1])
+    ordered, parts = _grads(tiny_model_dir, tmp_path / "a", batch, monkeypatch, by_length=True,
+                            loss_type=loss_type, checkpointing=checkpointing)
+    plain, consecutive = _grads(tiny_model_dir, tmp_path / "b", batch, monkeypatch, by_length=False,
+                                loss_type=loss_type, checkpointing=checkpointing)
+    assert consecutive == [[0, 1], [2, 3], [4, 5], [6, 7]] and parts != consecutive  # other rows went together
+    assert ordered.keys() == plain.keys() and len(ordered) > 0
+    for name in ordered:  # sums in another order: relative to the tensor's norm, not elementwise
+        scale = plain[name].norm()
+        assert scale > 0 and (ordered[name] - plain[name]).norm() / scale < 1e-10, name
+
+
+def test_bnpo_keeps_its_rows_as_they_came(tiny_model_dir, tmp_path, monkeypatch):
+    _, parts = _grads(tiny_model_dir, tmp_path, _batch([2, 9, 1, 8, 3, 7, 9, 1]), monkeypatch, by_length=True,
+                      loss_type="bnpo", checkpointing=True)
+    assert parts == [[0, 1], [2, 3], [4, 5], [6, 7]]
