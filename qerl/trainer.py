@@ -114,7 +114,7 @@ def micro_batch_rows(batch: Batch, size: int, unit: int = 1, by_length: bool = T
     For a loss that is a sum over rows with constant normalisers the gradient is the same (to float rounding);
     else (by_length False) consecutive rows."""
     rows = batch.input_ids.shape[0]
-    if not by_length or size % unit or rows % unit:
+    if not by_length or size % unit or rows % unit or rows <= size:  # one micro-batch: nothing to gain
         return [torch.arange(i, min(i + size, rows)) for i in range(0, rows, size)]
     plen = batch.input_ids.shape[1] - batch.completion_len
     lengths = batch.attention_mask[:, plen:].sum(dim=1).view(-1, unit).amax(dim=1)

@@ -55,6 +55,7 @@ def test_rows_ordered_by_length_in_whole_units_longest_first():
     groups = micro_batch_rows(batch, 4, unit=2)  # units (0,1) max 5, (2,3) 9, (4,5) 3, (6,7) 7
     assert [p.tolist() for p in groups] == [[2, 3, 6, 7], [0, 1, 4, 5]]
     assert [p.tolist() for p in micro_batch_rows(batch, 4, by_length=False)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [p.tolist() for p in micro_batch_rows(batch, 8)] == [list(range(8))]  # one micro-batch: as it came
     # RL's long-tailed lengths: padded tokens of 16-row micro-batches vs the real ones
     lengths = draw_lengths(1024, 400, 0.6, 4096, 0)
     long = _batch(lengths, plen=4, width=max(lengths))
