@@ -77,9 +77,11 @@ class Ranks:
 
     # ---- collectives: each failure (a peer died or timed out) ends as one line naming this rank ----
     def _collective(self, what: str, fn, *args):
+        global collective_failed
         try:
             return fn(*args)
         except RuntimeError as exc:  # DistBackendError and gloo's timeouts are RuntimeErrors
+            collective_failed = True
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise QerlError(f"rank {self.rank} of {self.world_size}: {what} failed ({first}): another rank died or "
                             f"hung (timeout {timeout_s():g} s, {TIMEOUT_ENV}); its log says why") from None
@@ -242,6 +244,15 @@ def _share_cpus(local_world: int) -> None:
     """CPU ranks of one node split its cores (each would otherwise start a thread per core)."""
     if not os.environ.get("QERL_NUM_THREADS"):
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+
+
+collective_failed = False  # set by a failed collective: the interpreter's teardown may then abort in the backend
+
+
+def exit_now_is_safer() -> bool:
+    """A process group is still up, or a collective of this process failed: after the error line, exit without
+    the interpreter's teardown, where gloo's threads can abort ("terminate called without an active exception")."""
+    return collective_failed or (dist.is_available() and dist.is_initialized())
 
 
 def close(ranks: Ranks) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -71,8 +72,6 @@ def use_available_cpus() -> int:
     """torch threads = the CPUs this process may run on (its affinity mask: a SLURM job's allocation, all cores
     locally), or QERL_NUM_THREADS. Snakemake exports OMP_NUM_THREADS=<rule threads>, which is 1 under
     `snakemake --cores 1` and would halve the CPU demo's speed on a 2-core machine while the job runs alone."""
-    import os
-
     import torch
 
     n = int(os.environ.get("QERL_NUM_THREADS") or len(os.sched_getaffinity(0)))
@@ -88,9 +87,21 @@ def run_main(fn: Callable[[list[str] | None], None], argv: list[str] | None = No
         fn(argv)
     except QerlError as err:
         sys.stderr.write(f"error: {err}\n")
-        sys.exit(2)
+        _exit(2)
     except Exception as err:
         if not is_out_of_memory(err):
             raise
         sys.stderr.write(f"error: {out_of_memory(err, 'this stage')}\n")  # where no phase named it more closely
-        sys.exit(2)
+        _exit(2)
+
+
+def _exit(code: int) -> None:
+    """sys.exit, or os._exit once the streams are flushed where torch.distributed's teardown could abort the
+    process after the error line (its MLflow run has already ended with the with-block that opened it)."""
+    distributed = sys.modules.get("qerl.distributed")
+    if distributed is not None and distributed.exit_now_is_safer():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
