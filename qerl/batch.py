@@ -66,11 +66,11 @@ def micro_batch_rows(batch: Batch, size: int, unit: int = 1, by_length: bool = T
     longest of 16 consecutive rows compute ~1.9x the real tokens; ordered, ~1.03x) and the largest one runs first.
     For a loss that is a sum over rows with constant normalisers the gradient is the same (to float rounding);
     else (by_length False) consecutive rows."""
-    rows = batch.input_ids.shape[0]
+    rows, device = batch.input_ids.shape[0], batch.attention_mask.device  # indices where the batch is
     if not by_length or size % unit or rows % unit or rows <= size:  # one micro-batch: nothing to gain
-        return [torch.arange(i, min(i + size, rows)) for i in range(0, rows, size)]
+        return [torch.arange(i, min(i + size, rows), device=device) for i in range(0, rows, size)]
     plen = batch.input_ids.shape[1] - batch.completion_len
     lengths = batch.attention_mask[:, plen:].sum(dim=1).view(-1, unit).amax(dim=1)
     order = torch.sort(lengths, descending=True, stable=True).indices
-    units = (order[:, None] * unit + torch.arange(unit)).reshape(-1)
+    units = (order[:, None] * unit + torch.arange(unit, device=device)).reshape(-1)
     return list(units.split(size))

@@ -120,3 +120,16 @@ def test_bnpo_keeps_its_rows_as_they_came(tiny_model_dir, tmp_path, monkeypatch)
     _, parts = _grads(tiny_model_dir, tmp_path, _batch([2, 9, 1, 8, 3, 7, 9, 1]), monkeypatch, by_length=True,
                       loss_type="bnpo", checkpointing=True)
     assert parts == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_row_indices_live_on_the_batchs_device():
+    """The update's batch is on the GPU: the ordered indices must be built there (a CPU arange does not mix with
+    CUDA tensors); the meta device stands in for CUDA on CPU-only machines, as strict about mixing."""
+    from qerl.trainer import micro_batch_rows
+
+    cpu = _batch([2, 5, 9, 1, 3, 3, 0, 7])
+    names = ("input_ids", "attention_mask", "completion_mask", "rollout_logprobs", "advantages")
+    meta = Batch(**{name: getattr(cpu, name).to("meta") for name in names})
+    for unit, by_length in ((1, True), (2, True), (1, False)):
+        parts = micro_batch_rows(meta, 2, unit=unit, by_length=by_length)
+        assert len(parts) == 4 and all(p.device.type == "meta" and p.shape == (2,) for p in parts)
