@@ -189,6 +189,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   floor_pct=100 * floor_s / rollout_s,
                   **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_"))},
                   update_s=update_s, update_tokens=update_tokens, update_tok_s=update_tokens / update_s,
+                  update_padded_tokens_ratio=metrics.get("update/padded_tokens_ratio"),
                   step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                   rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0)

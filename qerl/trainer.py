@@ -349,6 +349,9 @@ class GRPOTrainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         sums["timing/update"] = time.perf_counter() - t0
+        # positions the forwards computed per real token (padding of prompts and of each micro-batch's completions)
+        sums["update/padded_tokens_ratio"] = (sum(sub.attention_mask.numel() for sub in subs)
+                                              / max(int(batch.attention_mask.sum()), 1))
         sums = self.ranks.reduce_metrics(sums, maxima=("timing/update",))  # equal micro-batches per rank: means
         sums["loss"] *= accumulation  # one update's loss is the sum over its micro-batches (every rank's)
         return sums

@@ -96,7 +96,9 @@ def _grads(tiny_model_dir, tmp_path, batch, monkeypatch, *, by_length, loss_type
     monkeypatch.setattr(trainer_module, "micro_batch_rows", rows)
     monkeypatch.setattr(trainer.optimizer, "step", lambda *a, **k: None)  # keep the accumulated gradient
     monkeypatch.setattr(trainer.optimizer, "zero_grad", lambda *a, **k: None)
-    trainer.update(batch, 0)
+    metrics = trainer.update(batch, 0)
+    computed = sum(len(p) * micro_batch(batch, p).input_ids.shape[1] for p in seen[0])
+    assert metrics["update/padded_tokens_ratio"] == pytest.approx(computed / float(batch.attention_mask.sum()))
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, seen[0]
 
 
