@@ -46,7 +46,6 @@ class Batch:
         return self.completion_mask.shape[1]
 
 
-
 def micro_batch(batch: Batch, rows: slice | torch.Tensor) -> Batch:
     """`rows` (a slice or row indices) of the batch, completions cut after the longest one among them: right
     padding past it changes no log-prob (causal attention), and a long-tailed rollout would otherwise compute every

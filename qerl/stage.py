@@ -17,7 +17,7 @@ from typing import Callable
 from pydantic import BaseModel
 
 from qerl.config import load_config, parse_section
-from qerl.errors import QerlError, is_out_of_memory, out_of_memory
+from qerl.errors import QerlError, out_of_memory_names
 from qerl.paths import Layout
 from qerl.tracking import add_mlflow_args
 
@@ -84,14 +84,10 @@ def run_main(fn: Callable[[list[str] | None], None], argv: list[str] | None = No
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     use_available_cpus()
     try:
-        fn(argv)
+        with out_of_memory_names("this stage"):  # where no phase (rollout, update) named it more closely
+            fn(argv)
     except QerlError as err:
         sys.stderr.write(f"error: {err}\n")
-        _exit(2)
-    except Exception as err:
-        if not is_out_of_memory(err):
-            raise
-        sys.stderr.write(f"error: {out_of_memory(err, 'this stage')}\n")  # where no phase named it more closely
         _exit(2)
 
 

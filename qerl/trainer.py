@@ -23,7 +23,7 @@ from qerl.aqn import aqn_sigma, aqn_stage
 from qerl.batch import Batch, micro_batch, micro_batch_rows, pad_rollout  # noqa: F401 (re-exported)
 from qerl.checkpoint import CheckpointRun, NonFiniteState, load_checkpoint
 from qerl.distributed import SINGLE, Ranks
-from qerl.errors import QerlError, is_out_of_memory, out_of_memory
+from qerl.errors import QerlError, out_of_memory_names
 from qerl.fsdp import data_parallel
 from qerl.grpo import group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.optim import build_optimizer
@@ -42,17 +42,6 @@ def resolve_device_dtype(dtype: str) -> tuple[str, torch.dtype]:
     if dtype == "auto":
         return device, torch.bfloat16 if device == "cuda" else torch.float32
     return device, getattr(torch, dtype)
-
-
-@contextlib.contextmanager
-def _out_of_memory_names(what: str, knobs: str):
-    """A CUDA out-of-memory error inside becomes one QerlError line naming the phase and the knobs that lower it."""
-    try:
-        yield
-    except Exception as exc:
-        if is_out_of_memory(exc):
-            raise out_of_memory(exc, what, knobs) from exc
-        raise
 
 
 def _step_seed(seed: int, step: int, salt: int) -> int:
@@ -154,7 +143,7 @@ class GRPOTrainer:
         knobs = (f"lower train.rollout.gpu_memory_utilization (now {cfg.rollout.gpu_memory_utilization}), "
                  f"max_completion_length (now {cfg.max_completion_length}) or the rows of a step (batch_size x "
                  f"num_generations); `python -m qerl.config memory` prints the estimate per GPU")
-        with _out_of_memory_names(f"the rollout of step {step + 1}", knobs):
+        with out_of_memory_names(f"the rollout of step {step + 1}", knobs):
             out, noise_stats = self._generate(step, prompts, self.sampling(step, first_row=groups.start * g), sigma)
         t_rollout = time.perf_counter() - t0
         values, timeouts = self._reward_values(out.texts(self.tokenizer), answers)
@@ -259,7 +248,9 @@ class GRPOTrainer:
         stack.enter_context(disable_input_dtype_casting(self.model))
         return stack
 
-    def logprobs(self, batch: Batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(self, batch: Batch, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token log-probs, entropy) of `rows` of the batch (all of them by default)."""
+        rows = slice(0, batch.input_ids.shape[0]) if rows is None else rows
         with self._forward_precision():
             return self.parallel.run(self._logprobs, batch, rows)  # the FSDP root's forward when sharded
 
@@ -277,7 +268,7 @@ class GRPOTrainer:
                               temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: Batch, rows: slice) -> torch.Tensor | None:
+    def reference_logprobs(self, batch: Batch, rows: slice | None = None) -> torch.Tensor | None:
         if self.cfg.beta == 0:
             return None
         if not hasattr(self.model, "disable_adapter"):
@@ -299,7 +290,7 @@ class GRPOTrainer:
         knobs = (f"lower train.micro_batch_size (now {cfg.micro_batch_size}) or max_completion_length (now "
                  f"{cfg.max_completion_length}), or turn on gradient_checkpointing (now {cfg.gradient_checkpointing}) "
                  f"and offload_activations (now {cfg.offload_activations})")
-        with _out_of_memory_names(f"the update of step {step + 1}", knobs):
+        with out_of_memory_names(f"the update of step {step + 1}", knobs):
             return self._update(batch, step)
 
     def _update(self, batch: Batch, step: int) -> dict[str, float]:
@@ -310,18 +301,18 @@ class GRPOTrainer:
         n_tokens = self.ranks.all_reduce(batch.completion_mask.sum())
         accumulation = len(slices) * self.ranks.world_size
         subs = [micro_batch(batch, s) for s in slices]  # each cut to its own longest completion
-        refs = [self.reference_logprobs(sub, slice(0, len(sub.advantages))) for sub in subs]
+        refs = [self.reference_logprobs(sub) for sub in subs]
         olds = [None] * len(slices)
         if cfg.num_iterations > 1:
             with torch.no_grad():
-                olds = [self.logprobs(sub, slice(0, len(sub.advantages)))[0] for sub in subs]
+                olds = [self.logprobs(sub)[0] for sub in subs]
         sums: dict[str, float] = {}
         t0 = time.perf_counter()
         self.model.train()
         for _ in range(cfg.num_iterations):
             for sub, old, ref in zip(subs, olds, refs):
                 with self._saved_tensors():
-                    lp, ent = self.logprobs(sub, slice(0, len(sub.advantages)))
+                    lp, ent = self.logprobs(sub)
                 mask, metrics = sub.completion_mask, {}
                 is_w = None
                 if cfg.rollout_correction == "tis":

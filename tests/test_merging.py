@@ -14,21 +14,27 @@ from qerl.policy import LoraSpec, load_policy
 IDS = torch.tensor([[5, 77, 1000, 31, 2, 640, 9, 12]])
 
 
-@pytest.fixture(scope="module")
-def trained(nvfp4_dir, tmp_path_factory):
-    """An FP4 policy with non-trivial LoRA and norm values (as after training), its adapter dir and logits."""
+def as_if_trained(model, out) -> None:
+    """Give a fresh policy's LoRA and norm values non-trivial random moves (as after training), save its adapter
+    and trained norms to `out`, and put it in eval mode."""
     from qerl.checkpoint import save_trained_norms
 
-    torch.manual_seed(0)
-    model, _ = load_policy(nvfp4_dir, mode="qlora_fp4", lora=LoraSpec(r=4, alpha=8), train_norms=True)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * (0.05 if "lora_" in name else 0.1))
-    out = tmp_path_factory.mktemp("adapter")
     model.save_pretrained(str(out))
     save_trained_norms(model, out)
     model.eval()
+
+
+@pytest.fixture(scope="module")
+def trained(nvfp4_dir, tmp_path_factory):
+    """An FP4 policy with non-trivial LoRA and norm values (as after training), its adapter dir and logits."""
+    torch.manual_seed(0)
+    model, _ = load_policy(nvfp4_dir, mode="qlora_fp4", lora=LoraSpec(r=4, alpha=8), train_norms=True)
+    out = tmp_path_factory.mktemp("adapter")
+    as_if_trained(model, out)
     with torch.no_grad():
         logits = model(input_ids=IDS).logits
     return out, logits

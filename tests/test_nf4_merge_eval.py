@@ -44,20 +44,14 @@ def trained(nf4_dir, tmp_path_factory):
     """A QLoRA policy with non-trivial LoRA and RMSNorm values (as after training), saved as the train stage saves
     it; returns its adapter dir, its float32 logits with and without the adapter, and the float64 reference
     weights deq(W) + SCALING * B @ A per adapted layer, from the policy's own bitsandbytes layers."""
-    from qerl.checkpoint import save_trained_norms
     from qerl.policy import LoraSpec, load_policy
+    from tests.test_merging import as_if_trained
 
     torch.manual_seed(0)
     model, _ = load_policy(nf4_dir, mode="qlora_nf4", dtype=torch.float32, device="cpu",
                            lora=LoraSpec(r=R, alpha=ALPHA), train_norms=True)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * (0.05 if "lora_" in name else 0.1))
     out = tmp_path_factory.mktemp("nf4_adapter")
-    model.save_pretrained(str(out))
-    save_trained_norms(model, out)
-    model.eval()
+    as_if_trained(model, out)
     with torch.no_grad():
         logits = model(input_ids=IDS).logits
         with model.disable_adapter():

@@ -79,7 +79,7 @@ class PagedEngine(RolloutEngine):
         if dense_weights not in (True, False, "auto"):
             raise QerlError(f"PagedEngine.dense_weights: expected True, False or 'auto', got {dense_weights!r}")
         self.dense_weights, self.dense_bytes = dense_weights, 0
-        self.dense_check: dict = {}  # the last "auto" decision: bytes needed, bytes free, kept or why not
+        self.dense_check: dict = {}  # the last "auto" decision: bytes needed and free, kept or not
         self._pool_rows = 0  # rows of the call the GPU pool's forward reserve was sized for
         self.model, self.tokenizer = model, tokenizer
         self.block_size, self.num_blocks = block_size, num_blocks
