@@ -34,18 +34,12 @@ def model_dir(ref: str | Path, revision: str | None = None, what: str = "model")
 def check_loadable(path: Path, flag: str, dtype: str) -> None:
     """A quantized checkpoint the torch engines can load here (compressed-tensors NVFP4/MXFP4, or bitsandbytes NF4
     on a device bitsandbytes runs it on); a one-line error naming the flag and directory otherwise."""
-    from qerl.hub import read_json
-    from qerl.quant.loader import quantization_format
-    from qerl.quant.nf4 import is_nf4_checkpoint, require_nf4
+    from qerl.quant.loader import checkpoint_format
+    from qerl.quant.nf4 import require_nf4
     from qerl.trainer import resolve_device_dtype
 
-    qcfg = read_json(path / "config.json").get("quantization_config")
-    if not qcfg:
-        return
-    if is_nf4_checkpoint(qcfg):
+    if checkpoint_format(path) == "nf4":  # any other quantization_config than ours raised there
         require_nf4(resolve_device_dtype(dtype)[0], f"{flag} {path} (bitsandbytes NF4)")
-    else:
-        quantization_format(qcfg, path / "config.json")
 
 
 def load_for_eval(path: str | Path, dtype: str):
@@ -53,16 +47,16 @@ def load_for_eval(path: str | Path, dtype: str):
     bitsandbytes NF4 model (QLoRA's base as training ran on it) for an NF4 checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qerl.hub import read_json
-    from qerl.quant.loader import is_quantized_checkpoint, load_quantized_model
-    from qerl.quant.nf4 import is_nf4_checkpoint, load_nf4_model
+    from qerl.quant.loader import checkpoint_format, load_quantized_model
+    from qerl.quant.nf4 import load_nf4_model
     from qerl.trainer import resolve_device_dtype
 
     device, torch_dtype = resolve_device_dtype(dtype)
     p = model_dir(path)
-    if is_quantized_checkpoint(p) and is_nf4_checkpoint(read_json(p / "config.json")["quantization_config"]):
+    fmt = checkpoint_format(p)
+    if fmt == "nf4":
         model = load_nf4_model(p, torch_dtype, device)
-    elif is_quantized_checkpoint(p):
+    elif fmt != "dense":
         model = load_quantized_model(p, dtype=torch_dtype, device=device)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch_dtype).to(device)

@@ -57,17 +57,6 @@ def _dense_from_fp4(base_dir: Path) -> nn.Module:
     return _dense_model(base_dir, state)
 
 
-def base_format(base_dir: Path) -> str:
-    """'dense', 'nf4' (bitsandbytes), or the compressed-tensors 'nvfp4' / 'mxfp4'; a one-line error for others."""
-    from qerl.quant.loader import quantization_format
-    from qerl.quant.nf4 import is_nf4_checkpoint
-
-    qcfg = read_json(base_dir / "config.json").get("quantization_config")
-    if not qcfg:
-        return "dense"
-    return "nf4" if is_nf4_checkpoint(qcfg) else quantization_format(qcfg, base_dir / "config.json")
-
-
 def _load_base(base_dir: Path, fmt: str) -> nn.Module:
     """The base as a dense float32 model whose Linears hold exactly the weights training multiplied by."""
     from transformers import AutoModelForCausalLM
@@ -244,7 +233,9 @@ def check_merge_inputs(base_dir, adapter_dir) -> tuple[Path, str]:
     if not (adapter_dir / "adapter_config.json").is_file():
         raise QerlError(f"adapter_dir: {adapter_dir}/adapter_config.json not found (expected a PEFT adapter)")
     base_dir = check_checkpoint(resolve_model(str(base_dir), what="base_dir"), "base_dir")
-    fmt = base_format(base_dir)
+    from qerl.quant.loader import checkpoint_format
+
+    fmt = checkpoint_format(base_dir)
     if fmt == "nf4":
         from qerl.quant.nf4 import require_nf4
 

@@ -39,6 +39,18 @@ def is_quantized_checkpoint(path: str | Path) -> bool:
     return (path / "config.json").is_file() and "quantization_config" in _read_config(path)
 
 
+def checkpoint_format(path: str | Path) -> str:
+    """'dense', 'nf4' (bitsandbytes, QLoRA's base), or the compressed-tensors 'nvfp4' / 'mxfp4' of a checkpoint
+    directory; a one-line error for any other quantization_config."""
+    from qerl.quant.nf4 import is_nf4_checkpoint
+
+    path = Path(path)
+    qcfg = read_json(path / "config.json").get("quantization_config")
+    if not qcfg:
+        return "dense"
+    return "nf4" if is_nf4_checkpoint(qcfg) else quantization_format(qcfg, path / "config.json")
+
+
 def quantization_format(qcfg: dict, cfg_file: Path) -> str:
     """'nvfp4' or 'mxfp4' from a compressed-tensors quantization_config; one-line error for anything else."""
     method = qcfg.get("quant_method")
