@@ -13,10 +13,11 @@ Each case runs qerl.trainer.GRPOTrainer (paged rollout engine, gradient checkpoi
 completion length drawn once from a log-normal (median --median, sigma --sigma, capped at --max-tokens; the
 rollout benchmarks' distribution, bench.paged): the same lengths in every case, each rank taking its rows' share.
 One untimed step (rows cut to --warmup-tokens, staggered per rank as bench.paged.warmup_lengths: compiles,
-captures decode graphs, creates AdamW's states), then one timed step: step seconds (the slowest rank), tokens/s (generated tokens / step seconds), rollout and update
-seconds, peak allocated GPU memory of every rank during the timed step; speed-up = fp4-lora x1 / fp4-lora x2 step
-seconds. Prints a table and writes JSON atomically after each case (a case cut short keeps the others); each case's
-output goes to <out stem>-<case>.log beside the JSON, with rank 0's progress lines (a timeout names the phase it cut).
+captures decode graphs, creates AdamW's states), then one timed step: step seconds (the slowest rank), tokens/s
+(generated tokens / step seconds), rollout and update seconds, peak allocated GPU memory of every rank during the
+timed step; speed-up = fp4-lora x1 / fp4-lora x2 step seconds. Prints a table and writes JSON atomically after
+each case (a case cut short keeps the others); each case's output goes to <out stem>-<case>.log beside the JSON,
+with rank 0's progress lines (a timeout names the phase it cut).
 A 7B FP4 case compiles its Triton kernels in the warm-up (about a minute on a fresh machine): on a 10-minute device
 call run one or two cases per call (--cases), the Triton cache carrying over between cases of one machine.
 
@@ -180,7 +181,8 @@ def run_case(args) -> None:
         warmup_s = time.perf_counter() - t0
         say(f"warm-up step {warmup_s:.0f} s; timed step")
         result = _step(trainer, 1, lengths)
-        say(f"timed step {result['step_s']:.1f} s (rollout {result['rollout_s']:.1f} s, update {result['update_s']:.1f} s)")
+        say(f"timed step {result['step_s']:.1f} s (rollout {result['rollout_s']:.1f} s, "
+            f"update {result['update_s']:.1f} s)")
         result.update(case=args.worker, mode=mode, gpus=world, device=_device_name(), build_s=round(build_s, 1),
                       warmup_s=round(warmup_s, 1),
                       drawn_tokens=sum(lengths), tokens_per_s=sum(lengths) / result["step_s"],

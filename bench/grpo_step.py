@@ -6,7 +6,8 @@ The step is the experiment's own train section from config/config.yaml (prompts 
 LoRA rank, rollout engine and its memory knob, gradient checkpointing, offload); only `mode` differs between the
 two runs (qlora_fp4 with the recipe's AQN, lora without). --prompts / --completion-cap shrink it and
 --num-iterations sets the policy updates per batch (all said in the JSON). Weights are random Qwen2.5 tensors of
-the experiment's size (bench.random_models: speed and memory do not depend on the values); the reward is random within each group. Random weights never emit EOS, so each row ends at
+the experiment's size (bench.random_models: speed and memory do not depend on the values); the reward is random
+within each group. Random weights never emit EOS, so each row ends at
 a length drawn from a fixed log-normal (median --median, sigma --sigma, capped at the recipe's completion cap; the
 same draws for both modes): the paged engine finishes it there as if it had sampled EOS (bench.paged's
 ForcedLengthEngine).
@@ -16,7 +17,8 @@ it meets every decode bucket: bench.paged.warmup_lengths; and one update of one 
 AdamW's moments), then one timed step of fresh data. Reported: rollout s and tokens/s, decode steps, the rollout's
 floor (per decode step the larger of: the weights once + each running row's KV at the copy bandwidth, and the
 running rows' linear-layer FLOPs at the bf16 matmul rate, both measured in the same run; rollout_floor_s), the
-engine's step time by rows run, update s and tokens/s, step s, peak GiB. Prints a table and writes JSON atomically after each mode.
+engine's step time by rows run, update s and tokens/s, step s, peak GiB. Prints a table and writes JSON atomically
+after each mode.
 """
 from __future__ import annotations
 

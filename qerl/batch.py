@@ -54,7 +54,8 @@ def micro_batch(batch: Batch, rows: slice | torch.Tensor) -> Batch:
     real = batch.attention_mask[rows, plen:].bool().any(dim=0).nonzero()
     width = int(real[-1]) + 1 if len(real) else 1
     return Batch(input_ids=batch.input_ids[rows, :plen + width],
-                 attention_mask=batch.attention_mask[rows, :plen + width], completion_mask=batch.completion_mask[rows, :width],
+                 attention_mask=batch.attention_mask[rows, :plen + width],
+                 completion_mask=batch.completion_mask[rows, :width],
                  rollout_logprobs=batch.rollout_logprobs[rows, :width], advantages=batch.advantages[rows])
 
 

@@ -134,10 +134,11 @@ class PagedEngine(RolloutEngine):
                 seconds[key] += time.perf_counter() - start
                 counts[key] += 1
         graph_stats = {k: v - before[k] for k, v in graphs.stats.items()} if graphs is not None else {}
-        self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes, dense_copy_bytes=self.dense_bytes,
+        self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes,
+                          dense_copy_bytes=self.dense_bytes, projection_groups=len(self._groups), **graph_stats,
                           **{f"dense_check_{k}": v for k, v in self.dense_check.items()},
-                          projection_groups=len(self._groups), **graph_stats,
-                          **{f"step_s_{k}": v for k, v in seconds.items()}, **{f"steps_{k}": v for k, v in counts.items()})
+                          **{f"step_s_{k}": v for k, v in seconds.items()},
+                          **{f"steps_{k}": v for k, v in counts.items()})
         return RolloutOutput(
             prompt_ids=[p for p in prompts for _ in range(n)],
             completion_ids=[s.output for s in sched.seqs], logprobs=[s.logprobs for s in sched.seqs],
