@@ -18,7 +18,8 @@ captures decode graphs, creates AdamW's states), then one timed step: step secon
 timed step; speed-up = fp4-lora x1 / fp4-lora x2 step seconds. Prints a table and writes JSON atomically after
 each case (a case cut short keeps the others); each case's output goes to <out stem>-<case>.log beside the JSON,
 with rank 0's progress lines (a timeout names the phase it cut).
-A 7B FP4 case compiles its Triton kernels in the warm-up (about a minute on a fresh machine): on a 10-minute device
+A 7B FP4 case compiles its Triton kernels in the warm-up (about a minute on a fresh machine; --compile auto adds
+torch.compile of the decode step, minutes more at 7B): on a 10-minute device
 call run one or two cases per call (--cases), the Triton cache carrying over between cases of one machine.
 
 CPU smoke run (gloo, a tiny model; tests/bench/test_distributed_bench.py): python -m bench.distributed --size tiny
@@ -54,6 +55,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=16, help="rows per forward/backward")
     p.add_argument("--lora-r", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=32, help="the untimed step's rows end after this many")
+    p.add_argument("--compile", default="off", choices=("off", "auto"),
+                   help="torch.compile the decode step (off: eager steps in CUDA graphs, as bench.grpo_step)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="paged KV pool: fraction of free memory")
     p.add_argument("--timeout-s", type=float, default=280, help="per case, build and warm-up included")
     p.add_argument("--seed", type=int, default=0)
@@ -106,7 +109,7 @@ def _trainer(args, mode: str, ranks, tokenizer, prompts):
     trainer.parallel.start(trainer.trainable)  # as train() does: every replica starts from rank 0's adapter
     trainer.engine.close()  # its projection groups go back: the forced-length engine groups them again
     trainer.engine = ForcedLengthEngine(trainer.parallel.rollout_model, tokenizer, eos_token_ids=(),
-                                        **engine_options(cfg))
+                                        compile="auto" if args.compile == "auto" else False, **engine_options(cfg))
     return trainer
 
 

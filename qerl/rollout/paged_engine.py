@@ -24,7 +24,7 @@ from qerl.quant.grouped import group_projections, projections_fused, ungroup_pro
 from qerl.quant.linear import DENSE_COPY_MIN_ROWS
 from qerl.rollout.attention import attention_implementation
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
-from qerl.rollout.kv_pool import BlockAllocator, KVPool, free_device_memory, kv_shape
+from qerl.rollout.kv_pool import BlockAllocator, KVPool, expandable_segments, free_device_memory, kv_shape
 from qerl.rollout.lora_shadows import lora_in_dtype
 from qerl.rollout.model_state import compile_options, compute_dtype, eos_ids, inference_mode, model_signature
 from qerl.rollout.paged_attention import NAME, PagedMeta, triton_paged
@@ -86,6 +86,7 @@ class PagedEngine(RolloutEngine):
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.device = next(model.parameters()).device
+        expandable_segments(self.device)  # before the pool, the dense copies and the update allocate anything
         self.eos_ids = set(eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
         self.decode_buckets = decode_buckets is True or (decode_buckets == "auto" and self.device.type == "cuda")
         self._graphs: DecodeGraphs | None = None  # kept across calls while its key matches

@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from qerl.errors import QerlError
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
+from qerl.rollout.kv_pool import expandable_segments
 from qerl.rollout.lora_shadows import lora_in_dtype
 from qerl.rollout.model_state import (compile_options, compute_dtype, eos_ids, inference_mode, model_signature,
                                       pad_id)
@@ -63,6 +64,7 @@ class TorchEngine(RolloutEngine):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size = max_batch_size
         self.device = next(model.parameters()).device
+        expandable_segments(self.device)  # the update's leftovers must not pin the next rollout's cache
         on_cuda = self.device.type == "cuda"
         self.cache_kind = cache if cache != "auto" else ("static" if on_cuda else "dynamic")
         self.use_cuda_graph = on_cuda and self.cache_kind == "static" and use_cuda_graph in (True, "auto")

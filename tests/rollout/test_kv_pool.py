@@ -98,3 +98,34 @@ def test_pool_size_needs_num_blocks_off_cuda(tiny_model):
         KVPool(tiny_model, block_size=4, num_blocks=4, gpu_memory_utilization=1.5)
     with pytest.raises(QerlError, match="block 0 is reserved"):
         BlockAllocator(1)
+
+
+def test_expandable_segments_only_on_cuda_and_not_over_the_users_choice(monkeypatch):
+    from qerl.rollout import kv_pool
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert kv_pool.expandable_segments(torch.device("cpu")) is False and calls == []
+    assert kv_pool.expandable_segments(torch.device("cuda", 0)) is True
+    assert calls == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert kv_pool.expandable_segments(torch.device("cuda", 0)) is False and len(calls) == 1
+
+
+@pytest.mark.gpu
+def test_empty_cache_gives_back_a_segment_a_long_lived_tensor_shares():
+    """An update's activations freed around a small tensor made meanwhile (AdamW's state): the rollout after it
+    must see that memory as free."""
+    from qerl.rollout.kv_pool import expandable_segments, free_device_memory
+
+    device = torch.device("cuda")
+    expandable_segments(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    activations = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    del activations
+    state = torch.empty(1 << 20, dtype=torch.uint8, device=device)  # carved from the freed 2 GiB
+    free_device_memory(device)
+    assert torch.cuda.memory_reserved(device) - before < (256 << 20)
+    del state
