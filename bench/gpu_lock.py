@@ -5,8 +5,8 @@ timing a rollout or a kernel does. `GpuLock(path)` is a readers-writer lock on t
 processes of one benchmark run: `shared()` around set-up work (any number at once), `exclusive()` around timed
 work (no other holder at all). A process waiting for `exclusive()` keeps new `shared()` holders out (writer
 preference), so timed work waits at most for the set-up phases already running, never for ones started after it
-asked. Both leave the GPU idle when they hand the lock on (every CUDA stream of the process synchronised), so
-queued kernels of a set-up phase cannot run into a timed one. `GpuLock(None)` does nothing: a process on its own.
+asked. Both leave the GPU idle when they hand the lock on (every CUDA stream of the process synchronised, its cached
+memory given back), so queued kernels of a set-up phase cannot run into a timed one. `GpuLock(None)` does nothing: a process on its own.
 
     lock = GpuLock("/tmp/run/gpu.lock")
     with lock.shared():
@@ -75,6 +75,8 @@ class GpuLock:
 
 
 def _gpu_idle() -> None:
-    """Wait for this process's queued GPU work (every stream) before the lock passes on."""
+    """Wait for this process's queued GPU work (every stream) before the lock passes on, and give its cached memory
+    back: the next holder may need it (three 7B workers on one 80 GB H100 ran a timed step out of memory)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
