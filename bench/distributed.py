@@ -68,11 +68,6 @@ def _parse(argv=None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ one case, inside its process group
-def _random_reward(completions, **kwargs) -> list[float]:
-    """Rewards that differ inside every group, fixed per row (so advantages and the loss are non-zero)."""
-    return torch.rand(len(completions), generator=torch.Generator().manual_seed(len(completions))).tolist()
-
-
 def _model(args, mode: str, device: str, dtype: torch.dtype):
     from bench.random_models import attach_lora, build_random_model
 
@@ -86,6 +81,7 @@ def _model(args, mode: str, device: str, dtype: torch.dtype):
 
 
 def _trainer(args, mode: str, ranks, tokenizer, prompts):
+    from bench.e2e_workers import _random_reward
     from bench.paged import ForcedLengthEngine
     from qerl.config import TrainConfig
     from qerl.trainer import GRPOTrainer, engine_options
@@ -93,7 +89,7 @@ def _trainer(args, mode: str, ranks, tokenizer, prompts):
     on_cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if on_cuda else torch.float32
     cfg = TrainConfig(mode="qlora_fp4" if mode == "fp4" else "full", data={"source": "bench"},
-                      rewards=["bench.distributed:_random_reward"], num_generations=args.group,
+                      rewards=["bench.e2e_workers:_random_reward"], num_generations=args.group,
                       batch_size=args.prompts, micro_batch_size=args.micro_batch, max_steps=4,
                       max_prompt_length=args.prompt_len, max_completion_length=args.max_tokens,
                       gradient_checkpointing=True, aqn=None,
