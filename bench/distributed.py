@@ -105,7 +105,7 @@ def _trainer(args, mode: str, ranks, tokenizer, prompts):
     trainer.parallel.start(trainer.trainable)  # as train() does: every replica starts from rank 0's adapter
     trainer.engine.close()  # its projection groups go back: the forced-length engine groups them again
     trainer.engine = ForcedLengthEngine(trainer.parallel.rollout_model, tokenizer, eos_token_ids=(),
-                                        compile="auto" if args.compile == "auto" else False, **engine_options(cfg))
+                                        **{**engine_options(cfg), "compile": "auto" if args.compile == "auto" else False})
     return trainer
 
 

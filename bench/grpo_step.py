@@ -152,7 +152,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     trainer = GRPOTrainer(cfg, model, tok, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
                           checkpoint_dir=tempfile.mkdtemp(prefix="qerl-bench-"))
     options = engine_options(cfg) if cfg.rollout.engine == "paged" else {}
-    engine = _Recording(model, tok, eos_token_ids=(), compile="auto" if args.compile == "auto" else False, **options)
+    engine = _Recording(model, tok, eos_token_ids=(), **{**options, "compile": "auto" if args.compile == "auto" else False})
     trainer.engine = engine
     engine.lengths = warmup_lengths(len(lengths), args.warmup_tokens)  # meets every decode bucket
     t = time.perf_counter()

@@ -107,6 +107,8 @@ class RolloutConfig(_Section):
     max_num_batched_tokens: int = Field(8192, ge=16, description="paged: tokens one forward may carry (prefill "
                                         "chunks + one per decoding row)")
     max_num_seqs: int | None = Field(None, ge=1, description="paged: rows decoded at once (None: as blocks allow)")
+    compile: bool | Literal["auto"] = Field("auto", description="torch / paged: torch.compile the decode step in its "
+                                            "CUDA graphs (auto: on CUDA); at 7B the first rollout compiles minutes")
 
 
 class TrainConfig(_Section):

@@ -52,8 +52,10 @@ def engine_options(cfg: TrainConfig) -> dict[str, Any]:
     """make_engine's keyword arguments for the configured rollout engine."""
     r = cfg.rollout
     if r.engine == "paged":
-        return {"gpu_memory_utilization": r.gpu_memory_utilization, "block_size": r.block_size,
+        return {"gpu_memory_utilization": r.gpu_memory_utilization, "block_size": r.block_size, "compile": r.compile,
                 "max_num_batched_tokens": r.max_num_batched_tokens, "max_num_seqs": r.max_num_seqs}
+    if r.engine == "torch":
+        return {"compile": r.compile}
     if r.engine == "vllm":
         return {"gpu_memory_utilization": r.gpu_memory_utilization, "max_lora_rank": max(64, cfg.lora.lora_r)}
     return {}

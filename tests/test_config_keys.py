@@ -232,3 +232,14 @@ def test_the_tracer_sees_a_key_nobody_reads(monkeypatch):
         _ = cfg.learning_rate
     assert "TrainConfig.learning_rate" in seen
     assert "TrainConfig.epsilon_high" not in seen  # the validator compared it; nothing outside config.py did
+
+
+def test_rollout_compile_reaches_the_engine_options():
+    from qerl.trainer import engine_options
+
+    for engine in ("torch", "paged"):
+        for value in (True, False, "auto"):
+            cfg = qcfg.TrainConfig(data={"source": "x"}, rollout={"engine": engine, "compile": value})
+            assert engine_options(cfg)["compile"] == value
+    with pytest.raises(ValueError):
+        qcfg.TrainConfig(data={"source": "x"}, rollout={"compile": "sometimes"})
