@@ -165,3 +165,13 @@ def test_cli_from_workflow_config(tmp_path):
                         "--out-dir", str(out)]) == 0
     assert "demo (trained) |  |  | 60.0 [" in (out / "table1.md").read_text()
     assert (out / "training_curves.png").stat().st_size > 1000
+
+
+def test_speedup_cell_rounds_once():
+    from qerl.tables import _speedup
+
+    base = {"device": "d", "e2e_step_seconds": {"8": 24.855}}
+    ours = {"device": "d", "e2e_step_seconds": {"8": 41.771}}
+    value, cell = _speedup(base, ours, 8)
+    assert cell == "x0.60 (41.8 s)" and value == 0.595
+    assert _speedup(base, {**ours, "device": "other"}, 8) == (None, "- (41.8 s)")
