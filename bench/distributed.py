@@ -19,8 +19,8 @@ timed step; speed-up = fp4-lora x1 / fp4-lora x2 step seconds. Prints a table an
 each case (a case cut short keeps the others); each case's output goes to <out stem>-<case>.log beside the JSON,
 with rank 0's progress lines (a timeout names the phase it cut).
 A 7B FP4 case compiles its Triton kernels in the warm-up (about a minute on a fresh machine; --compile auto adds
-torch.compile of the decode step, minutes more at 7B): on a 10-minute device
-call run one or two cases per call (--cases), the Triton cache carrying over between cases of one machine.
+torch.compile of the decode step, minutes more at 7B): on a 10-minute device call run one or two cases per call
+(--cases), the Triton cache carrying over between cases of one machine.
 
 CPU smoke run (gloo, a tiny model; tests/bench/test_distributed_bench.py): python -m bench.distributed --size tiny
     --prompts 4 --group 2 --prompt-len 8 --max-tokens 6 --median 4 --micro-batch 2 --lora-r 4 --warmup-tokens 2
@@ -95,6 +95,7 @@ def _trainer(args, mode: str, ranks, tokenizer, prompts):
                       gradient_checkpointing=True, aqn=None,
                       lora={"lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r},
                       rollout={"engine": "paged", "temperature": 1.0,
+                               "compile": "auto" if args.compile == "auto" else False,
                                "gpu_memory_utilization": args.gpu_memory_utilization},
                       dtype="bfloat16" if on_cuda else "float32", num_gpus=ranks.world_size, seed=args.seed)
     device = f"cuda:{torch.cuda.current_device()}" if on_cuda else "cpu"
@@ -105,7 +106,7 @@ def _trainer(args, mode: str, ranks, tokenizer, prompts):
     trainer.parallel.start(trainer.trainable)  # as train() does: every replica starts from rank 0's adapter
     trainer.engine.close()  # its projection groups go back: the forced-length engine groups them again
     trainer.engine = ForcedLengthEngine(trainer.parallel.rollout_model, tokenizer, eos_token_ids=(),
-                                        **{**engine_options(cfg), "compile": "auto" if args.compile == "auto" else False})
+                                        **engine_options(cfg))
     return trainer
 
 

@@ -6,7 +6,8 @@ processes of one benchmark run: `shared()` around set-up work (any number at onc
 work (no other holder at all). A process waiting for `exclusive()` keeps new `shared()` holders out (writer
 preference), so timed work waits at most for the set-up phases already running, never for ones started after it
 asked. Both leave the GPU idle when they hand the lock on (every CUDA stream of the process synchronised, its cached
-memory given back), so queued kernels of a set-up phase cannot run into a timed one. `GpuLock(None)` does nothing: a process on its own.
+memory given back), so queued kernels of a set-up phase cannot run into a timed one. `GpuLock(None)` does nothing:
+a process on its own.
 
     lock = GpuLock("/tmp/run/gpu.lock")
     with lock.shared():

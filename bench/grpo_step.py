@@ -7,10 +7,9 @@ LoRA rank, rollout engine and its memory knob, gradient checkpointing, offload);
 two runs (qlora_fp4 with the recipe's AQN, lora without). --prompts / --completion-cap shrink it and
 --num-iterations sets the policy updates per batch (all said in the JSON). Weights are random Qwen2.5 tensors of
 the experiment's size (bench.random_models: speed and memory do not depend on the values); the reward is random
-within each group. Random weights never emit EOS, so each row ends at
-a length drawn from a fixed log-normal (median --median, sigma --sigma, capped at the recipe's completion cap; the
-same draws for both modes): the paged engine finishes it there as if it had sampled EOS (bench.paged's
-ForcedLengthEngine).
+within each group. Random weights never emit EOS, so each row ends at a length drawn from a fixed log-normal
+(median --median, sigma --sigma, capped at the recipe's completion cap; the same draws for both modes): the paged
+engine finishes it there as if it had sampled EOS (bench.paged's ForcedLengthEngine).
 
 Per mode: build, then untimed warm-up (a rollout whose rows end after at most --warmup-tokens, staggered so that
 it meets every decode bucket: bench.paged.warmup_lengths; and one update of one random micro-batch, which creates
@@ -145,14 +144,15 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
 
     shared = Path(os.environ.get("QERL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
     tok = AutoTokenizer.from_pretrained(shared / "tokenizers" / "qwen2.5")
+    rollout = train_cfg.rollout.model_copy(update={"engine": "paged",  # the bench's engine, whatever the recipe's
+                                                   "compile": "auto" if args.compile == "auto" else False})
     cfg = train_cfg.model_copy(update={"mode": "qlora_fp4" if mode == "fp4" else "lora",
-                                       "aqn": train_cfg.aqn if mode == "fp4" else None})
+                                       "aqn": train_cfg.aqn if mode == "fp4" else None, "rollout": rollout})
     model = build_lora_model(size, mode, cfg.lora.lora_r, args.seed, args.device)
     prompts = random_prompts(tok, cfg.batch_size, args.prompt_len, args.seed)
     trainer = GRPOTrainer(cfg, model, tok, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
                           checkpoint_dir=tempfile.mkdtemp(prefix="qerl-bench-"))
-    options = engine_options(cfg) if cfg.rollout.engine == "paged" else {}
-    engine = _Recording(model, tok, eos_token_ids=(), **{**options, "compile": "auto" if args.compile == "auto" else False})
+    engine = _Recording(model, tok, eos_token_ids=(), **engine_options(cfg))
     trainer.engine = engine
     engine.lengths = warmup_lengths(len(lengths), args.warmup_tokens)  # meets every decode bucket
     t = time.perf_counter()
