@@ -17,7 +17,7 @@ AdamW's moments), then one timed step of fresh data. Reported: rollout s and tok
 floor (per decode step the larger of: the weights once + each running row's KV at the copy bandwidth, and the
 running rows' linear-layer FLOPs at the bf16 matmul rate, both measured in the same run; rollout_floor_s), the
 engine's step time by rows run, update s and tokens/s, step s, peak GiB. Prints a table and writes JSON atomically
-after each mode.
+after each mode. --profile-update runs the update once more under torch.profiler (kernels per micro-batch).
 """
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", default="off", choices=("off", "auto"), help="torch.compile the decode step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--profile-update", action="store_true",
+                   help="then the same update again under torch.profiler: GPU kernels per micro-batch")
     p.add_argument("--out", default="results/bench/grpo_step.json")
     return p.parse_args(argv)
 
@@ -195,12 +197,40 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                   rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0)
+    if args.profile_update:
+        result["update_profile"] = _profile_update(trainer, batch, cfg.micro_batch_size, args.device)
     engine.close()
     del trainer, engine, model, batch
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def _profile_update(trainer, batch, micro_batch_size: int, device: str) -> dict:
+    """The timed update run once more under torch.profiler: the GPU kernels per micro-batch, longest first (where
+    an FP4 update spends what a bf16 one does not)."""
+    from bench.e2e_workers import _kernel_profile, _kernel_table
+
+    micro_batches = max(1, -(-int(batch.input_ids.shape[0]) // micro_batch_size))
+    _sync(device)
+    t = time.perf_counter()
+    with _kernel_profile() as prof:
+        trainer.update(batch, 2)
+        _sync(device)
+    wall = time.perf_counter() - t
+    table = _kernel_table(prof, micro_batches, "micro_batch", top=25)
+    return {"micro_batches": micro_batches, "wall_s_profiled": wall, **table}
+
+
+def _print_profile(row: dict) -> None:
+    prof = row.get("update_profile")
+    if not prof:
+        return
+    print(f"{row['mode']} update profile: {prof['micro_batches']} micro-batches, "
+          f"{prof['gpu_us_per_micro_batch'] / 1e3:.1f} GPU ms each", flush=True)
+    for k in prof["top"][:15]:
+        print(f"  {k['us_per_micro_batch'] / 1e3:9.2f} ms  x{k['count_per_micro_batch']:<7} {k['name'][:90]}")
 
 
 def _table(rows: list[dict]) -> str:
@@ -236,7 +266,7 @@ def main(argv=None) -> int:
     bandwidth, matmul_rate = measure_ceilings(args.device)
     print(f"{device_name}: {args.experiment} recipe, random Qwen2.5-{size}, {train_cfg.batch_size} prompts x "
           f"{train_cfg.num_generations}, prompts {args.prompt_len} tokens, micro-batch {train_cfg.micro_batch_size}, "
-          f"rollout engine {train_cfg.rollout.engine}; completion lengths log-normal (median {args.median:.0f}, "
+          f"rollout engine paged (the bench's; the recipe names {train_cfg.rollout.engine}); completion lengths log-normal (median {args.median:.0f}, "
           f"sigma {args.sigma}, cap {train_cfg.max_completion_length}): mean {np.mean(lengths):.0f}, max "
           f"{max(lengths)}, rows end there (random weights never emit EOS); copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s", flush=True)
@@ -251,6 +281,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--modes: expected fp4 and/or bf16, got {mode!r}")
         payload["results"].append(run_mode(args, mode, train_cfg, size, lengths, bandwidth, matmul_rate))
         print(_table(payload["results"]), flush=True)
+        _print_profile(payload["results"][-1])
         _write(Path(args.out), payload)
     return 0
 

@@ -32,7 +32,7 @@ def test_tiny_cpu_step_ends_rows_at_their_drawn_lengths(tmp_path):
     out = tmp_path / "step.json"
     assert grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", "bf16", "--prompts", "1",
                            "--completion-cap", "12", "--median", "6", "--prompt-len", "8", "--warmup-tokens", "2",
-                           "--out", str(out)]) == 0
+                           "--profile-update", "--out", str(out)]) == 0
     payload = json.loads(out.read_text())
     (row,) = payload["results"]
     assert payload["recipe"]["batch_size"] == 1 and row["rows"] == 8
@@ -41,6 +41,8 @@ def test_tiny_cpu_step_ends_rows_at_their_drawn_lengths(tmp_path):
     assert row["decode_steps"] >= max(lengths) - 1  # the paged engine ran until the longest drawn row ended
     assert row["update_tokens"] > 0 and torch.isfinite(torch.tensor(row["loss"]))
     assert row["mode"] == "bf16+lora" and row["update_s"] > 0 and row["step_s"] >= row["rollout_s"]
+    prof = row["update_profile"]  # the update again under the profiler: 8 rows in micro-batches of the recipe's size
+    assert prof["micro_batches"] == -(-8 // payload["recipe"]["micro_batch_size"]) and prof["wall_s_profiled"] > 0
 
 
 def test_unknown_mode_is_refused(tmp_path):
