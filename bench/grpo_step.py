@@ -17,7 +17,8 @@ AdamW's moments), then one timed step of fresh data. Reported: rollout s and tok
 floor (per decode step the larger of: the weights once + each running row's KV at the copy bandwidth, and the
 running rows' linear-layer FLOPs at the bf16 matmul rate, both measured in the same run; rollout_floor_s), the
 engine's step time by rows run, update s and tokens/s, step s, peak GiB. Prints a table and writes JSON atomically
-after each mode. --profile-update runs the update once more under torch.profiler (kernels per micro-batch).
+after each mode. --profile-update runs the update twice more: timed (the steady state), then under torch.profiler (kernels per
+micro-batch).
 """
 from __future__ import annotations
 
@@ -173,9 +174,11 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     batch = trainer.rollout(1)
     rollout_peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
     engine.sleep()
+    compiles_before = _compile_counts()
     metrics = trainer.update(batch, 1)
     _sync(args.device)
     step_s = time.perf_counter() - t
+    compiles = {k: v - compiles_before.get(k, 0) for k, v in _compile_counts().items()}
     stats = engine.last_stats  # the timed rollout's (dense_copy_bytes among them)
     floor = rollout_floor_bytes(model, lengths, args.prompt_len, int(stats.get("steps", 0)))
     floor_s = rollout_floor_s(model, lengths, args.prompt_len, bandwidth, matmul_rate)
@@ -194,10 +197,11 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_"))},
                   update_s=update_s, update_tokens=update_tokens, update_tok_s=update_tokens / update_s,
                   update_padded_tokens_ratio=metrics.get("update/padded_tokens_ratio"),
-                  step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
+                  update_compiles=compiles, step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                   rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0)
     if args.profile_update:
+        result["update_repeat_s"] = _timed_update(trainer, batch, args.device)  # steady state: no first-call costs
         result["update_profile"] = _profile_update(trainer, batch, cfg.micro_batch_size, args.device)
     engine.close()
     del trainer, engine, model, batch
@@ -205,6 +209,25 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def _compile_counts() -> dict:
+    """Compilations so far: dynamo's frames and recompiles, and kernels in Triton's on-disk cache (a timed part
+    that compiles shows it here)."""
+    from torch._dynamo.utils import counters
+
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    return {"dynamo_frames": sum(counters["frames"].values()),
+            "dynamo_recompiles": sum(counters["recompiles"].values()),
+            "triton_cache_entries": sum(1 for _ in cache.iterdir()) if cache.is_dir() else 0}
+
+
+def _timed_update(trainer, batch, device: str) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    trainer.update(batch, 2)
+    _sync(device)
+    return time.perf_counter() - t
 
 
 def _profile_update(trainer, batch, micro_batch_size: int, device: str) -> dict:
@@ -220,17 +243,23 @@ def _profile_update(trainer, batch, micro_batch_size: int, device: str) -> dict:
         _sync(device)
     wall = time.perf_counter() - t
     table = _kernel_table(prof, micro_batches, "micro_batch", top=25)
-    return {"micro_batches": micro_batches, "wall_s_profiled": wall, **table}
+    cpu = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    return {"micro_batches": micro_batches, "wall_s_profiled": wall, **table,
+            "cpu_top": [{"name": e.key[:120], "count": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6}
+                        for e in cpu]}
 
 
 def _print_profile(row: dict) -> None:
     prof = row.get("update_profile")
     if not prof:
         return
-    print(f"{row['mode']} update profile: {prof['micro_batches']} micro-batches, "
+    print(f"{row['mode']} update: timed {row['update_s']:.1f} s (compilations {row['update_compiles']}), the same "
+          f"batch again {row['update_repeat_s']:.1f} s; profile: {prof['micro_batches']} micro-batches, "
           f"{prof['gpu_us_per_micro_batch'] / 1e3:.1f} GPU ms each", flush=True)
     for k in prof["top"][:15]:
         print(f"  {k['us_per_micro_batch'] / 1e3:9.2f} ms  x{k['count_per_micro_batch']:<7} {k['name'][:90]}")
+    for k in prof["cpu_top"][:6]:
+        print(f"  CPU {k['self_cpu_s']:7.2f} s  x{k['count']:<7} {k['name'][:90]}")
 
 
 def _table(rows: list[dict]) -> str:

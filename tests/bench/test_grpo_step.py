@@ -43,6 +43,7 @@ def test_tiny_cpu_step_ends_rows_at_their_drawn_lengths(tmp_path):
     assert row["mode"] == "bf16+lora" and row["update_s"] > 0 and row["step_s"] >= row["rollout_s"]
     prof = row["update_profile"]  # the update again under the profiler: 8 rows in micro-batches of the recipe's size
     assert prof["micro_batches"] == -(-8 // payload["recipe"]["micro_batch_size"]) and prof["wall_s_profiled"] > 0
+    assert row["update_repeat_s"] > 0 and set(row["update_compiles"]) >= {"dynamo_frames", "triton_cache_entries"}
 
 
 def test_unknown_mode_is_refused(tmp_path):
