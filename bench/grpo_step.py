@@ -54,6 +54,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", default="off", choices=("off", "auto"), help="torch.compile the decode step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--steps", type=int, default=1, help="timed steps, each on fresh length draws: the first meets "
+                   "the run's new shapes (one-time costs), the mean of the later ones is a training run's steady state")
     p.add_argument("--profile-update", action="store_true",
                    help="then the same update again under torch.profiler: GPU kernels per micro-batch")
     p.add_argument("--out", default="results/bench/grpo_step.json")
@@ -200,15 +202,33 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   update_compiles=compiles, step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                   rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0)
+    result["later_steps"] = [_later_step(args, trainer, engine, len(lengths), cfg.max_completion_length, i)
+                             for i in range(1, args.steps)]
     if args.profile_update:
         result["update_repeat_s"] = _timed_update(trainer, batch, args.device)  # steady state: no first-call costs
         result["update_profile"] = _profile_update(trainer, batch, cfg.micro_batch_size, args.device)
+        trainer.rollout(2)  # another rollout, then its first update profiled: what a rollout leaves to the update
+        engine.sleep()
+        result["update_profile_after_rollout"] = _profile_update(trainer, batch, cfg.micro_batch_size, args.device)
     engine.close()
     del trainer, engine, model, batch
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def _later_step(args, trainer, engine, rows: int, cap: int, i: int) -> dict:
+    """One more timed step on fresh length draws (seed + i)."""
+    engine.lengths = draw_lengths(rows, args.median, args.sigma, cap, args.seed + i)
+    _sync(args.device)
+    t = time.perf_counter()
+    batch = trainer.rollout(1 + i)
+    engine.sleep()
+    metrics = trainer.update(batch, 1 + i)
+    _sync(args.device)
+    return {"useful_tokens": sum(engine.lengths), "rollout_s": batch.metrics["timing/rollout"],
+            "update_s": metrics["timing/update"], "step_s": time.perf_counter() - t}
 
 
 def _compile_counts() -> dict:
@@ -233,29 +253,37 @@ def _timed_update(trainer, batch, device: str) -> float:
 def _profile_update(trainer, batch, micro_batch_size: int, device: str) -> dict:
     """The timed update run once more under torch.profiler: the GPU kernels per micro-batch, longest first (where
     an FP4 update spends what a bf16 one does not)."""
-    from bench.e2e_workers import _kernel_profile, _kernel_table
+    from bench.e2e_workers import _allocator_counts, _kernel_profile, _kernel_table
 
     micro_batches = max(1, -(-int(batch.input_ids.shape[0]) // micro_batch_size))
     _sync(device)
     t = time.perf_counter()
+    allocs = _allocator_counts()
     with _kernel_profile() as prof:
         trainer.update(batch, 2)
         _sync(device)
     wall = time.perf_counter() - t
+    allocs = {k: v - allocs[k] for k, v in _allocator_counts().items()}
     table = _kernel_table(prof, micro_batches, "micro_batch", top=25)
     cpu = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
-    return {"micro_batches": micro_batches, "wall_s_profiled": wall, **table,
+    return {"micro_batches": micro_batches, "wall_s_profiled": wall, **allocs, **table,
             "cpu_top": [{"name": e.key[:120], "count": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6}
                         for e in cpu]}
 
 
 def _print_profile(row: dict) -> None:
-    prof = row.get("update_profile")
-    if not prof:
-        return
+    if "update_profile" in row:
+        _print_one_profile(row, row["update_profile"])
+    if "update_profile_after_rollout" in row:
+        print(f"{row['mode']} the first update after another rollout:")
+        _print_one_profile(row, row["update_profile_after_rollout"])
+
+
+def _print_one_profile(row: dict, prof: dict) -> None:
     print(f"{row['mode']} update: timed {row['update_s']:.1f} s (compilations {row['update_compiles']}), the same "
           f"batch again {row['update_repeat_s']:.1f} s; profile: {prof['micro_batches']} micro-batches, "
-          f"{prof['gpu_us_per_micro_batch'] / 1e3:.1f} GPU ms each", flush=True)
+          f"{prof['gpu_us_per_micro_batch'] / 1e3:.1f} GPU ms each, wall {prof['wall_s_profiled']:.1f} s, device allocs "
+          f"{prof['device_allocs']}, alloc retries {prof['alloc_retries']}", flush=True)
     for k in prof["top"][:15]:
         print(f"  {k['us_per_micro_batch'] / 1e3:9.2f} ms  x{k['count_per_micro_batch']:<7} {k['name'][:90]}")
     for k in prof["cpu_top"][:6]:
@@ -270,6 +298,12 @@ def _table(rows: list[dict]) -> str:
         lines.append(f"{r['mode']:10s} {r['rows']:5d} {r['rollout_s']:9.1f} {r['rollout_tok_s']:8,.0f} "
                      f"{r['floor_pct']:6.1f} {r['decode_steps'] or 0:6d} {r['update_s']:8.1f} "
                      f"{r['update_tok_s']:9,.0f} {r['step_s']:7.1f} {r['peak_gib']:8.2f}")
+    for r in rows:
+        if r.get("later_steps"):
+            later = r["later_steps"]
+            mean = {k: sum(x[k] for x in later) / len(later) for k in ("rollout_s", "update_s", "step_s")}
+            lines.append(f"{r['mode']:10s} steps 2-{len(later) + 1} (fresh lengths), mean: rollout {mean['rollout_s']:.1f} s, "
+                         f"update {mean['update_s']:.1f} s, step {mean['step_s']:.1f} s")
     by = {r["mode"]: r for r in rows}
     if "fp4+lora" in by and "bf16+lora" in by:
         f, b = by["fp4+lora"], by["bf16+lora"]

@@ -32,7 +32,7 @@ def test_tiny_cpu_step_ends_rows_at_their_drawn_lengths(tmp_path):
     out = tmp_path / "step.json"
     assert grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", "bf16", "--prompts", "1",
                            "--completion-cap", "12", "--median", "6", "--prompt-len", "8", "--warmup-tokens", "2",
-                           "--profile-update", "--out", str(out)]) == 0
+                           "--profile-update", "--steps", "2", "--out", str(out)]) == 0
     payload = json.loads(out.read_text())
     (row,) = payload["results"]
     assert payload["recipe"]["batch_size"] == 1 and row["rows"] == 8
@@ -43,6 +43,8 @@ def test_tiny_cpu_step_ends_rows_at_their_drawn_lengths(tmp_path):
     assert row["mode"] == "bf16+lora" and row["update_s"] > 0 and row["step_s"] >= row["rollout_s"]
     prof = row["update_profile"]  # the update again under the profiler: 8 rows in micro-batches of the recipe's size
     assert prof["micro_batches"] == -(-8 // payload["recipe"]["micro_batch_size"]) and prof["wall_s_profiled"] > 0
+    (later,) = row["later_steps"]  # fresh draws: another seed's lengths
+    assert later["useful_tokens"] == sum(grpo_step.draw_lengths(8, 6, 0.6, 12, 1)) and later["update_s"] > 0
     assert row["update_repeat_s"] > 0 and set(row["update_compiles"]) >= {"dynamo_frames", "triton_cache_entries"}
 
 
