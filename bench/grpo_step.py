@@ -207,9 +207,10 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     if args.profile_update:
         result["update_repeat_s"] = _timed_update(trainer, batch, args.device)  # steady state: no first-call costs
         result["update_profile"] = _profile_update(trainer, batch, cfg.micro_batch_size, args.device)
-        trainer.rollout(2)  # another rollout, then its first update profiled: what a rollout leaves to the update
+        engine.lengths = draw_lengths(len(lengths), args.median, args.sigma, cfg.max_completion_length, args.seed + 99)
+        fresh = trainer.rollout(99)  # fresh lengths: the update meets new shapes, as every step of a training run
         engine.sleep()
-        result["update_profile_after_rollout"] = _profile_update(trainer, batch, cfg.micro_batch_size, args.device)
+        result["update_profile_fresh"] = _profile_update(trainer, fresh, cfg.micro_batch_size, args.device)
     engine.close()
     del trainer, engine, model, batch
     gc.collect()
@@ -265,18 +266,22 @@ def _profile_update(trainer, batch, micro_batch_size: int, device: str) -> dict:
     wall = time.perf_counter() - t
     allocs = {k: v - allocs[k] for k, v in _allocator_counts().items()}
     table = _kernel_table(prof, micro_batches, "micro_batch", top=25)
-    cpu = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    events = prof.key_averages()
+    cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    cpu_total = sorted(events, key=lambda e: e.cpu_time_total, reverse=True)[:12]
     return {"micro_batches": micro_batches, "wall_s_profiled": wall, **allocs, **table,
             "cpu_top": [{"name": e.key[:120], "count": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6}
-                        for e in cpu]}
+                        for e in cpu],
+            "cpu_total_top": [{"name": e.key[:120], "count": e.count, "cpu_s": e.cpu_time_total / 1e6,
+                               "device_s": e.device_time_total / 1e6} for e in cpu_total]}
 
 
 def _print_profile(row: dict) -> None:
     if "update_profile" in row:
         _print_one_profile(row, row["update_profile"])
-    if "update_profile_after_rollout" in row:
-        print(f"{row['mode']} the first update after another rollout:")
-        _print_one_profile(row, row["update_profile_after_rollout"])
+    if "update_profile_fresh" in row:
+        print(f"{row['mode']} the update of another rollout, fresh lengths:")
+        _print_one_profile(row, row["update_profile_fresh"])
 
 
 def _print_one_profile(row: dict, prof: dict) -> None:
@@ -288,6 +293,8 @@ def _print_one_profile(row: dict, prof: dict) -> None:
         print(f"  {k['us_per_micro_batch'] / 1e3:9.2f} ms  x{k['count_per_micro_batch']:<7} {k['name'][:90]}")
     for k in prof["cpu_top"][:6]:
         print(f"  CPU {k['self_cpu_s']:7.2f} s  x{k['count']:<7} {k['name'][:90]}")
+    for k in prof["cpu_total_top"]:
+        print(f"  CPU total {k['cpu_s']:7.2f} s (GPU {k['device_s']:6.2f} s) x{k['count']:<7} {k['name'][:80]}")
 
 
 def _table(rows: list[dict]) -> str:
