@@ -149,6 +149,8 @@ class TrainConfig(_Section):
     fused_elementwise: bool = Field(True, description="on CUDA, RMSNorm, the MLP's SiLU(gate) * up and the "
                                     "lm_head chunks' log-probs of the training forward and backward as "
                                     "torch.compile'd kernels (qerl.fused_elementwise); false: eager ops")
+    cudnn_attention: bool = Field(False, description="cuDNN SDPA in training forwards; off: flash or "
+                                  "mem-efficient, as cuDNN builds a graph per new sequence length (~7 ms each)")
     mixed_precision: Literal["auto", "off"] = Field(
         "auto", description="auto: a model computing in bf16/fp16 with fp32 trainable parameters (peft adapters) "
         "runs its training forward under torch.autocast in the model's dtype (LoRA matmuls in bf16 like the "

@@ -456,3 +456,45 @@ def test_mixed_precision_runs_lora_in_the_model_dtype(tiny_model_dir):
     trainer.cfg = trainer.cfg.model_copy(update={"mixed_precision": "auto"})
     model.float()  # an fp32 model has nothing to autocast to
     assert trainer._autocast_dtype() is None
+
+
+def test_training_forward_and_backward_leave_cudnn_attention_out_unless_asked(tiny_model_dir):
+    """train.cudnn_attention false (default): every SDPA call of the training forward, and of backward's
+    gradient-checkpoint recompute, runs with cuDNN disabled (it builds a graph per new sequence length); true
+    leaves SDPA's choice alone; outside the update the global setting is untouched."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.e2e_workers import make_trainer
+    from qerl.trainer import Batch
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    trainer = make_trainer(model, tok, [[5, 6, 7, 8]], fp4=False, num_generations=2, completion_len=4,
+                           micro_batch_size=2, lora_r=4, seed=0)
+    ids = torch.randint(0, 1000, (2, 10), generator=torch.Generator().manual_seed(0))
+    batch = Batch(ids, torch.ones_like(ids), torch.ones(2, 4), torch.zeros(2, 4), torch.ones(2))
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(*args, **kwargs)
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    F.scaled_dot_product_attention = spy
+    try:
+        for flag in (False, True):
+            trainer.cfg = trainer.cfg.model_copy(update={"cudnn_attention": flag, "gradient_checkpointing": True})
+            seen.clear()
+            model.train()  # as the update: transformers checkpoints layers only in training mode
+            lp, _ = trainer.logprobs(batch, slice(0, 2))
+            with trainer._forward_precision(backward=True):
+                lp.sum().backward()
+            layers = model.config.num_hidden_layers
+            assert len(seen) == 2 * layers, seen  # the forward, then backward's recompute of each layer
+            assert {enabled for _, enabled in seen} == {flag and before}
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
