@@ -18,7 +18,8 @@ lengths drawn from a log-normal (median --median, sigma --sigma, capped at --max
 every method; bench.table3_worker says how. Rollouts run on the torch engine (static KV cache, CUDA graphs);
 --compile off by default (eager decode steps inside the graphs), the same for every method.
 --jobs N runs N experiments at once (each its own process; set-up side by side, every timed part alone on the GPU
-through bench.gpu_lock).
+through bench.gpu_lock). Parts missing after such a pass (two 14B workers do not fit one 80 GB card), or after a
+worker died, are measured once more, alone, in a fresh process, and merged into the JSON (`retried_alone` names them).
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None, help="workers still running then are stopped")
     p.add_argument("--in-process", action="store_true", help="no worker processes (CPU tests)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--merge", action="store_true", help=argparse.SUPPRESS)  # keep the JSON's other parts
     p.add_argument("--gpu-lock", help=argparse.SUPPRESS)
     p.add_argument("--worker-spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -170,14 +172,20 @@ def protocol(args) -> dict:
 
 
 def _run_one(spec: dict, args) -> dict:
-    """Measure in this process, writing the spec's JSON after every part."""
+    """Measure in this process, writing the spec's JSON after every part (--merge: into the JSON already there)."""
     out = Path(spec["out"])
+    previous = json.loads(out.read_text()) if args.merge and out.is_file() else None
     head = {**environment(), "protocol": protocol(args)}
+    if previous:  # the protocol covers every part the JSON holds; the retried ones are named
+        for key in ("rollout_batches", "e2e_batches"):
+            head["protocol"][key] = sorted({*previous.get("protocol", {}).get(key, []), *head["protocol"][key]})
+        head["retried_alone"] = [*previous.get("retried_alone", []), *_part_names(args.rollout_batches,
+                                                                                    args.e2e_batches)]
 
     def save(result: dict) -> None:
         write_json(out, {**head, **result})
 
-    result = measure(spec, args, on_part=save)
+    result = measure(spec, args, on_part=save, previous=previous)
     save(result)
     return {**head, **result}
 
@@ -189,12 +197,37 @@ def _worker_argv(args, spec: dict, lock: Path) -> list[str]:
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     for key in ("rollout_batches", "e2e_batches"):
         argv += [f"--{key.replace('_', '-')}", ",".join(map(str, getattr(args, key)))]
-    return argv
+    return argv + (["--merge"] if args.merge else [])
 
 
-def _run_workers(specs: list[dict], args) -> None:
-    """`--jobs` worker processes at a time, one per experiment; all stopped at --budget-s."""
-    deadline = time.perf_counter() + (args.budget_s or float("inf"))
+def _part_names(rollout_batches, e2e_batches) -> list[str]:
+    return [f"rollout_b{r}" for r in rollout_batches] + [f"e2e_b{b}" for b in e2e_batches]
+
+
+def missing_parts(path: Path, args) -> tuple[list[int], list[int]]:
+    """(rollout batches, e2e batches) of args that the JSON at path has no figure for (all without a JSON)."""
+    doc = json.loads(path.read_text()) if path.is_file() else {}
+    return ([r for r in args.rollout_batches if str(r) not in doc.get("rollout_tokens_per_s", {})],
+            [b for b in args.e2e_batches if str(b) not in doc.get("e2e_step_seconds", {})])
+
+
+def retry_plan(specs: list[dict], args, exit_codes: dict[str, int | None]) -> list[tuple[dict, list, list]]:
+    """Experiments to measure once more, alone, in a fresh process, and which parts: those with parts missing after
+    a pass that ran several at once (another worker's memory may have been the cause), or whose worker died (a
+    CUDA error leaves its process unusable, not the next one)."""
+    plan = []
+    for spec in specs:
+        if args.jobs > 1 or exit_codes.get(spec["name"]) not in (0, None):
+            rollout, e2e = missing_parts(Path(spec["out"]), args)
+            if rollout or e2e:
+                plan.append((spec, rollout, e2e))
+    return plan
+
+
+def _run_workers(specs: list[dict], args, deadline: float) -> dict[str, int | None]:
+    """`--jobs` worker processes at a time, one per experiment; all stopped at the deadline. Returns each started
+    experiment's exit code."""
+    codes: dict[str, int | None] = {}
     lock = Path(specs[0]["out"]).parent / "table3.gpu.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     pending, running = list(specs), []
@@ -215,7 +248,9 @@ def _run_workers(specs: list[dict], args) -> None:
                 print(f"[table3] {spec['name']}: stopped at the budget (its JSON keeps what it measured)", flush=True)
             proc.wait()
             running.remove((spec, proc))
+            codes[spec["name"]] = proc.returncode
             print(f"[table3] done {spec['name']}: exit {proc.returncode}", flush=True)
+    return codes
 
 
 def summary(paths: list[Path]) -> str:
@@ -252,7 +287,17 @@ def main(argv=None) -> int:
         for spec in specs:
             _run_one(spec, args)
     else:
-        _run_workers(specs, args)
+        deadline = time.perf_counter() + (args.budget_s or float("inf"))
+        codes = _run_workers(specs, args, deadline)
+        for spec, rollout, e2e in retry_plan(specs, args, codes):
+            if time.perf_counter() >= deadline:
+                print("[table3] budget spent: no retries", flush=True)
+                break
+            print(f"[table3] {spec['name']}: {', '.join(_part_names(rollout, e2e))} again, alone (failed or not run "
+                  f"{'beside other workers' if args.jobs > 1 else 'before its worker died'})", flush=True)
+            alone = argparse.Namespace(**{**vars(args), "rollout_batches": rollout, "e2e_batches": e2e,
+                                          "merge": True, "jobs": 1})
+            _run_workers([spec], alone, deadline)
     print(summary([Path(s["out"]) for s in specs]))
     return 0
 

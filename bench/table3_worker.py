@@ -206,8 +206,9 @@ def _guard(result: dict, name: str, fn) -> None:
             torch.cuda.empty_cache()
 
 
-def measure(spec: dict, args, on_part=None) -> dict:
-    """The Table 3 figures of one experiment (spec: name, size, method, checkpoint or None); see the module doc."""
+def measure(spec: dict, args, on_part=None, previous: dict | None = None) -> dict:
+    """The Table 3 figures of one experiment (spec: name, size, method, checkpoint or None); see the module doc.
+    previous: an earlier run's JSON whose figures are kept (the parts measured now replace theirs and their errors)."""
     on_part = on_part or (lambda result: None)
     device, dtype = device_and_dtype(args.device)
     lock, lora_r = GpuLock(getattr(args, "gpu_lock", None)), spec.get("lora_r") or args.lora_r
@@ -215,6 +216,10 @@ def measure(spec: dict, args, on_part=None) -> dict:
     result = {"experiment": spec["name"], "model_size": spec["size"], "method": spec["method"],
               "row_key": ROW_KEYS[spec["method"]], "train_mode": METHODS[spec["method"]][0],
               "rollout_tokens_per_s": {}, "e2e_step_seconds": {}, "rollout": {}, "e2e": {}, "errors": {}}
+    for key in ("rollout_tokens_per_s", "e2e_step_seconds", "rollout", "e2e", "errors"):
+        result[key].update((previous or {}).get(key, {}))
+    for part in [f"rollout_b{rows}" for rows in args.rollout_batches] + [f"e2e_b{b}" for b in args.e2e_batches]:
+        result["errors"].pop(part, None)
     with lock.shared():
         real = spec.get("checkpoint") and Path(spec["checkpoint"], "config.json").is_file()
         model, tokenizer, about = (_checkpoint_policy(spec, device, dtype, lora_r) if real

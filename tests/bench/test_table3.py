@@ -120,3 +120,39 @@ def test_experiments_come_from_the_config(capsys, tmp_path):
     assert "'nope' is not an experiment" in capsys.readouterr().err
     assert table3.main(["--experiments", "qwen3b-mxfp4-lora", "--config", config]) == 2
     assert "not a Table 3 row" in capsys.readouterr().err
+
+
+def test_a_retry_merges_the_missing_parts_into_the_json(runs, tokenizer_dir, tmp_path):
+    """--merge (the retry alone): the parts measured now replace their errors; the JSON's other figures stay, and
+    the protocol and `retried_alone` say what the file holds."""
+    docs, paths = runs
+    doc = dict(docs["qlora"])  # size and rollout at batch 2, no step
+    doc["errors"] = {"e2e_b1": "QerlError: the update of step 101 ran out of GPU memory"}
+    path = tmp_path / "qlora.json"
+    path.write_text(json.dumps(doc))
+    assert table3.main(["--size", "tiny", "--method", "qerl", "--out", str(path), "--tokenizer", str(tokenizer_dir),
+                        *TINY, "--rollout-batches", "", "--merge"]) == 0
+    merged = json.loads(path.read_text())
+    assert merged["errors"] == {} and merged["rollout_tokens_per_s"] == doc["rollout_tokens_per_s"]
+    assert merged["rollout"]["2"] == doc["rollout"]["2"] and merged["e2e_step_seconds"]["1"] > 0
+    assert merged["protocol"]["rollout_batches"] == [2] and merged["protocol"]["e2e_batches"] == [1]
+    assert merged["retried_alone"] == ["e2e_b1"]
+
+
+def test_retry_plan_names_the_missing_parts_after_a_shared_pass_or_a_dead_worker(tmp_path):
+    import argparse
+
+    def spec(name, figures):
+        out = tmp_path / f"{name}.json"
+        if figures is not None:
+            out.write_text(json.dumps({"rollout_tokens_per_s": figures[0], "e2e_step_seconds": figures[1]}))
+        return {"name": name, "out": str(out)}
+
+    specs = [spec("whole", ({"2": 1.0, "8": 2.0}, {"2": 1.0, "4": 1.0})), spec("oom", ({"2": 1.0, "8": 2.0}, {"4": 3.0})),
+             spec("never", None)]
+    args = argparse.Namespace(rollout_batches=[2, 8], e2e_batches=[2, 4], jobs=2)
+    plan = {s["name"]: (r, e) for s, r, e in table3.retry_plan(specs, args, {"whole": 0, "oom": 0})}
+    assert plan == {"oom": ([], [2]), "never": ([2, 8], [2, 4])}
+    args.jobs = 1  # alone already: only a worker that died is retried
+    plan = {s["name"]: (r, e) for s, r, e in table3.retry_plan(specs, args, {"whole": 0, "oom": 0, "never": 1})}
+    assert plan == {"never": ([2, 8], [2, 4])}
