@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bench.kernels import write_json
-from bench.table3_worker import METHODS, measure
+from bench.table3_worker import LOST, METHODS, measure
 from qerl.errors import QerlError
 
 MODE_METHODS = {"lora": "lora", "qlora_nf4": "qlora", "qlora_fp4": "qerl"}  # train.mode -> Table 3 method
@@ -271,9 +271,8 @@ def summary(paths: list[Path]) -> str:
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    if args.worker_spec:
-        _run_one(json.loads(args.worker_spec), args)
-        return 0
+    if args.worker_spec:  # exit 1 when the CUDA context was lost: the driver retries the missing parts
+        return 1 if _run_one(json.loads(args.worker_spec), args).get(LOST) else 0
     try:
         specs = _specs(args)
     except QerlError as err:

@@ -196,14 +196,33 @@ def _e2e(trainer, batch: int, args, lock: GpuLock, first_step: int) -> dict:
             "step_seconds": statistics.mean(s["step_seconds"] for s in steps)}
 
 
+LOST = "cuda_context_lost"  # result key: a sticky CUDA error ended this process's use of the GPU
+
+
+def cuda_alive() -> bool:
+    """False after a sticky CUDA error (an illegal address, a device-side assert): every later CUDA call fails."""
+    if not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return True
+    except Exception:  # noqa: BLE001 - whatever the error, the context is unusable
+        return False
+
+
 def _guard(result: dict, name: str, fn) -> None:
-    """One part; its exception is recorded (type and message) and the other parts still run."""
+    """One part; its exception is recorded (type and message) and the other parts still run, unless the CUDA
+    context is lost: then `cuda_context_lost` is set and the worker skips the rest (a fresh process may pass)."""
+    if result.get(LOST):
+        result["errors"][name] = "not run: the CUDA context was lost in an earlier part"
+        return
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - a benchmark reports what failed and goes on
         result["errors"][name] = f"{type(exc).__name__}: {exc}"[:500]
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if not cuda_alive():
+            result[LOST] = True
 
 
 def measure(spec: dict, args, on_part=None, previous: dict | None = None) -> dict:
@@ -246,5 +265,6 @@ def measure(spec: dict, args, on_part=None, previous: dict | None = None) -> dic
         on_part(result)
     result.update(compile=engine.use_compile, cuda_graph=engine.use_cuda_graph,
                   gpu_lock_wait_s=round(lock.waited_s, 1), wall_seconds=round(time.perf_counter() - start, 1))
-    engine.close()
+    if not result.get(LOST):
+        engine.close()
     return result

@@ -156,3 +156,25 @@ def test_retry_plan_names_the_missing_parts_after_a_shared_pass_or_a_dead_worker
     args.jobs = 1  # alone already: only a worker that died is retried
     plan = {s["name"]: (r, e) for s, r, e in table3.retry_plan(specs, args, {"whole": 0, "oom": 0, "never": 1})}
     assert plan == {"never": ([2, 8], [2, 4])}
+
+
+def test_a_lost_cuda_context_skips_the_rest_and_exits_nonzero(tokenizer_dir, tmp_path, monkeypatch):
+    """A sticky CUDA error (illegal address): the part's error is kept, the later parts are marked not run instead
+    of failing one by one, the JSON is written, and the worker exits 1 so that the driver retries in a fresh
+    process."""
+    from bench import table3_worker
+
+    def illegal_address(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(table3_worker, "_rollout", illegal_address)
+    monkeypatch.setattr(table3_worker, "cuda_alive", lambda: False)
+    out = tmp_path / "lost.json"
+    tiny = [a for a in TINY if a != "--in-process"]
+    code = table3.main(["--size", "tiny", "--method", "qerl", "--out", str(out), "--tokenizer", str(tokenizer_dir),
+                        *tiny, "--worker-spec", json.dumps(table3._specs(table3._parse(
+                            ["--size", "tiny", "--method", "qerl", "--out", str(out)]))[0])])
+    doc = json.loads(out.read_text())
+    assert code == 1 and doc["cuda_context_lost"] is True
+    assert doc["errors"]["rollout_b2"].startswith("RuntimeError: CUDA error: an illegal memory access")
+    assert doc["errors"]["e2e_b1"].startswith("not run") and doc["e2e_step_seconds"] == {}
