@@ -252,8 +252,8 @@ def _timed_update(trainer, batch, device: str) -> float:
 
 
 def _profile_update(trainer, batch, micro_batch_size: int, device: str) -> dict:
-    """The timed update run once more under torch.profiler: the GPU kernels per micro-batch, longest first (where
-    an FP4 update spends what a bf16 one does not)."""
+    """One update of `batch` under torch.profiler: the GPU kernels per micro-batch, longest first, and the host ops
+    (where an FP4 update spends what a bf16 one does not)."""
     from bench.e2e_workers import _allocator_counts, _kernel_profile, _kernel_table
 
     micro_batches = max(1, -(-int(batch.input_ids.shape[0]) // micro_batch_size))
