@@ -17,8 +17,8 @@ AdamW's moments), then one timed step of fresh data. Reported: rollout s and tok
 floor (per decode step the larger of: the weights once + each running row's KV at the copy bandwidth, and the
 running rows' linear-layer FLOPs at the bf16 matmul rate, both measured in the same run; rollout_floor_s), the
 engine's step time by rows run, update s and tokens/s, step s, peak GiB. Prints a table and writes JSON atomically
-after each mode. --profile-update runs the update twice more: timed (the steady state), then under torch.profiler (kernels per
-micro-batch).
+after each mode. --profile-update runs the update twice more, timed (the steady state) and under torch.profiler
+(kernels per micro-batch), then profiles the update of a rollout of fresh lengths (new shapes).
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1, help="timed steps, each on fresh length draws: the first meets "
                    "the run's new shapes (one-time costs), the mean of the later ones is a training run's steady state")
     p.add_argument("--profile-update", action="store_true",
-                   help="then the same update again under torch.profiler: GPU kernels per micro-batch")
+                   help="then the same update again, timed and under torch.profiler, and the profiled update of "
+                   "a fresh-length rollout: GPU kernels per micro-batch, host ops")
     p.add_argument("--out", default="results/bench/grpo_step.json")
     return p.parse_args(argv)
 
@@ -287,8 +288,8 @@ def _print_profile(row: dict) -> None:
 def _print_one_profile(row: dict, prof: dict) -> None:
     print(f"{row['mode']} update: timed {row['update_s']:.1f} s (compilations {row['update_compiles']}), the same "
           f"batch again {row['update_repeat_s']:.1f} s; profile: {prof['micro_batches']} micro-batches, "
-          f"{prof['gpu_us_per_micro_batch'] / 1e3:.1f} GPU ms each, wall {prof['wall_s_profiled']:.1f} s, device allocs "
-          f"{prof['device_allocs']}, alloc retries {prof['alloc_retries']}", flush=True)
+          f"{prof['gpu_us_per_micro_batch'] / 1e3:.1f} GPU ms each, wall {prof['wall_s_profiled']:.1f} s, "
+          f"device allocs {prof['device_allocs']}, alloc retries {prof['alloc_retries']}", flush=True)
     for k in prof["top"][:15]:
         print(f"  {k['us_per_micro_batch'] / 1e3:9.2f} ms  x{k['count_per_micro_batch']:<7} {k['name'][:90]}")
     for k in prof["cpu_top"][:6]:
@@ -309,8 +310,8 @@ def _table(rows: list[dict]) -> str:
         if r.get("later_steps"):
             later = r["later_steps"]
             mean = {k: sum(x[k] for x in later) / len(later) for k in ("rollout_s", "update_s", "step_s")}
-            lines.append(f"{r['mode']:10s} steps 2-{len(later) + 1} (fresh lengths), mean: rollout {mean['rollout_s']:.1f} s, "
-                         f"update {mean['update_s']:.1f} s, step {mean['step_s']:.1f} s")
+            lines.append(f"{r['mode']:10s} steps 2-{len(later) + 1} (fresh lengths), mean: rollout "
+                         f"{mean['rollout_s']:.1f} s, update {mean['update_s']:.1f} s, step {mean['step_s']:.1f} s")
     by = {r["mode"]: r for r in rows}
     if "fp4+lora" in by and "bf16+lora" in by:
         f, b = by["fp4+lora"], by["bf16+lora"]
@@ -336,7 +337,8 @@ def main(argv=None) -> int:
     bandwidth, matmul_rate = measure_ceilings(args.device)
     print(f"{device_name}: {args.experiment} recipe, random Qwen2.5-{size}, {train_cfg.batch_size} prompts x "
           f"{train_cfg.num_generations}, prompts {args.prompt_len} tokens, micro-batch {train_cfg.micro_batch_size}, "
-          f"rollout engine paged (the bench's; the recipe names {train_cfg.rollout.engine}); completion lengths log-normal (median {args.median:.0f}, "
+          f"rollout engine paged (the bench's; the recipe names {train_cfg.rollout.engine}); completion lengths "
+          f"log-normal (median {args.median:.0f}, "
           f"sigma {args.sigma}, cap {train_cfg.max_completion_length}): mean {np.mean(lengths):.0f}, max "
           f"{max(lengths)}, rows end there (random weights never emit EOS); copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s", flush=True)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bench.kernels import write_json
-from bench.table3_worker import LOST, METHODS, measure
+from bench.table3_worker import LOST, METHODS, measure, part_names
 from qerl.errors import QerlError
 
 MODE_METHODS = {"lora": "lora", "qlora_nf4": "qlora", "qlora_fp4": "qerl"}  # train.mode -> Table 3 method
@@ -179,8 +179,8 @@ def _run_one(spec: dict, args) -> dict:
     if previous:  # the protocol covers every part the JSON holds; the retried ones are named
         for key in ("rollout_batches", "e2e_batches"):
             head["protocol"][key] = sorted({*previous.get("protocol", {}).get(key, []), *head["protocol"][key]})
-        head["retried_alone"] = [*previous.get("retried_alone", []), *_part_names(args.rollout_batches,
-                                                                                    args.e2e_batches)]
+        head["retried_alone"] = [*previous.get("retried_alone", []),
+                                 *part_names(args.rollout_batches, args.e2e_batches)]
 
     def save(result: dict) -> None:
         write_json(out, {**head, **result})
@@ -198,10 +198,6 @@ def _worker_argv(args, spec: dict, lock: Path) -> list[str]:
     for key in ("rollout_batches", "e2e_batches"):
         argv += [f"--{key.replace('_', '-')}", ",".join(map(str, getattr(args, key)))]
     return argv + (["--merge"] if args.merge else [])
-
-
-def _part_names(rollout_batches, e2e_batches) -> list[str]:
-    return [f"rollout_b{r}" for r in rollout_batches] + [f"e2e_b{b}" for b in e2e_batches]
 
 
 def missing_parts(path: Path, args) -> tuple[list[int], list[int]]:
@@ -292,7 +288,7 @@ def main(argv=None) -> int:
             if time.perf_counter() >= deadline:
                 print("[table3] budget spent: no retries", flush=True)
                 break
-            print(f"[table3] {spec['name']}: {', '.join(_part_names(rollout, e2e))} again, alone (failed or not run "
+            print(f"[table3] {spec['name']}: {', '.join(part_names(rollout, e2e))} again, alone (failed or not run "
                   f"{'beside other workers' if args.jobs > 1 else 'before its worker died'})", flush=True)
             alone = argparse.Namespace(**{**vars(args), "rollout_batches": rollout, "e2e_batches": e2e,
                                           "merge": True, "jobs": 1})

@@ -199,6 +199,11 @@ def _e2e(trainer, batch: int, args, lock: GpuLock, first_step: int) -> dict:
 LOST = "cuda_context_lost"  # result key: a sticky CUDA error ended this process's use of the GPU
 
 
+def part_names(rollout_batches, e2e_batches) -> list[str]:
+    """The parts' names in a result's `errors`: rollout_b<rows>, then e2e_b<prompts>."""
+    return [f"rollout_b{r}" for r in rollout_batches] + [f"e2e_b{b}" for b in e2e_batches]
+
+
 def cuda_alive() -> bool:
     """False after a sticky CUDA error (an illegal address, a device-side assert): every later CUDA call fails."""
     if not torch.cuda.is_available():
@@ -237,7 +242,7 @@ def measure(spec: dict, args, on_part=None, previous: dict | None = None) -> dic
               "rollout_tokens_per_s": {}, "e2e_step_seconds": {}, "rollout": {}, "e2e": {}, "errors": {}}
     for key in ("rollout_tokens_per_s", "e2e_step_seconds", "rollout", "e2e", "errors"):
         result[key].update((previous or {}).get(key, {}))
-    for part in [f"rollout_b{rows}" for rows in args.rollout_batches] + [f"e2e_b{b}" for b in args.e2e_batches]:
+    for part in part_names(args.rollout_batches, args.e2e_batches):
         result["errors"].pop(part, None)
     with lock.shared():
         real = spec.get("checkpoint") and Path(spec["checkpoint"], "config.json").is_file()
@@ -255,13 +260,13 @@ def measure(spec: dict, args, on_part=None, previous: dict | None = None) -> dic
         def rollout(rows=rows):
             part = result["rollout"][str(rows)] = _rollout(trainer.engine, tokenizer, rows, args, lock)
             result["rollout_tokens_per_s"][str(rows)] = round(part["tokens_per_s"], 2)
-        _guard(result, f"rollout_b{rows}", rollout)
+        _guard(result, *part_names([rows], []), rollout)
         on_part(result)
     for i, batch in enumerate(args.e2e_batches):
         def e2e(batch=batch, i=i):
             part = result["e2e"][str(batch)] = _e2e(trainer, batch, args, lock, first_step=100 * (i + 1))
             result["e2e_step_seconds"][str(batch)] = round(part["step_seconds"], 3)
-        _guard(result, f"e2e_b{batch}", e2e)
+        _guard(result, *part_names([], [batch]), e2e)
         on_part(result)
     result.update(compile=engine.use_compile, cuda_graph=engine.use_cuda_graph,
                   gpu_lock_wait_s=round(lock.waited_s, 1), wall_seconds=round(time.perf_counter() - start, 1))

@@ -148,8 +148,8 @@ def test_retry_plan_names_the_missing_parts_after_a_shared_pass_or_a_dead_worker
             out.write_text(json.dumps({"rollout_tokens_per_s": figures[0], "e2e_step_seconds": figures[1]}))
         return {"name": name, "out": str(out)}
 
-    specs = [spec("whole", ({"2": 1.0, "8": 2.0}, {"2": 1.0, "4": 1.0})), spec("oom", ({"2": 1.0, "8": 2.0}, {"4": 3.0})),
-             spec("never", None)]
+    specs = [spec("whole", ({"2": 1.0, "8": 2.0}, {"2": 1.0, "4": 1.0})),
+             spec("oom", ({"2": 1.0, "8": 2.0}, {"4": 3.0})), spec("never", None)]
     args = argparse.Namespace(rollout_batches=[2, 8], e2e_batches=[2, 4], jobs=2)
     plan = {s["name"]: (r, e) for s, r, e in table3.retry_plan(specs, args, {"whole": 0, "oom": 0})}
     assert plan == {"oom": ([], [2]), "never": ([2, 8], [2, 4])}
