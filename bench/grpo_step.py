@@ -59,6 +59,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-update", action="store_true",
                    help="then the same update again, timed and under torch.profiler, and the profiled update of "
                    "a fresh-length rollout: GPU kernels per micro-batch, host ops")
+    p.add_argument("--rollout-only", action="store_true",
+                   help="time the rollout alone (no update): a recipe's full rollout whose step outlasts one call")
     p.add_argument("--out", default="results/bench/grpo_step.json")
     return p.parse_args(argv)
 
@@ -164,8 +166,9 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     t = time.perf_counter()
     warm = trainer.rollout(0)
     engine.sleep()  # as GRPOTrainer.train: the pool and dense copies go back before the update
-    trainer.update(random_batch(cfg.micro_batch_size, args.prompt_len, cfg.max_completion_length,
-                                args.device, cfg.seed), 0)
+    if not args.rollout_only:
+        trainer.update(random_batch(cfg.micro_batch_size, args.prompt_len, cfg.max_completion_length,
+                                    args.device, cfg.seed), 0)
     _sync(args.device)
     warm_s = time.perf_counter() - t
     warm_peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0  # a full-length micro-batch
@@ -178,7 +181,8 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     rollout_peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
     engine.sleep()
     compiles_before = _compile_counts()
-    metrics = trainer.update(batch, 1)
+    metrics = ({"timing/update": None, "loss": None, "grad_norm": None} if args.rollout_only
+               else trainer.update(batch, 1))
     _sync(args.device)
     step_s = time.perf_counter() - t
     compiles = {k: v - compiles_before.get(k, 0) for k, v in _compile_counts().items()}
@@ -198,14 +202,15 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   floor_bytes=floor, bytes_floor_s=floor / bandwidth, floor_s=floor_s,
                   floor_pct=100 * floor_s / rollout_s,
                   **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_"))},
-                  update_s=update_s, update_tokens=update_tokens, update_tok_s=update_tokens / update_s,
+                  update_s=update_s, update_tokens=update_tokens,
+                  update_tok_s=update_tokens / update_s if update_s else None,
                   update_padded_tokens_ratio=metrics.get("update/padded_tokens_ratio"),
                   update_compiles=compiles, step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                   rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0)
     result["later_steps"] = [_later_step(args, trainer, engine, len(lengths), cfg.max_completion_length, i)
-                             for i in range(1, args.steps)]
-    if args.profile_update:
+                             for i in range(1, args.steps if not args.rollout_only else 1)]
+    if args.profile_update and not args.rollout_only:
         result["update_repeat_s"] = _timed_update(trainer, batch, args.device)  # steady state: no first-call costs
         result["update_profile"] = _profile_update(trainer, batch, cfg.micro_batch_size, args.device)
         engine.lengths = draw_lengths(len(lengths), args.median, args.sigma, cfg.max_completion_length, args.seed + 99)
@@ -304,8 +309,8 @@ def _table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['mode']:10s} {r['rows']:5d} {r['rollout_s']:9.1f} {r['rollout_tok_s']:8,.0f} "
-                     f"{r['floor_pct']:6.1f} {r['decode_steps'] or 0:6d} {r['update_s']:8.1f} "
-                     f"{r['update_tok_s']:9,.0f} {r['step_s']:7.1f} {r['peak_gib']:8.2f}")
+                     f"{r['floor_pct']:6.1f} {r['decode_steps'] or 0:6d} {r['update_s'] or 0:8.1f} "
+                     f"{r['update_tok_s'] or 0:9,.0f} {r['step_s']:7.1f} {r['peak_gib']:8.2f}")
     for r in rows:
         if r.get("later_steps"):
             later = r["later_steps"]
@@ -313,7 +318,7 @@ def _table(rows: list[dict]) -> str:
             lines.append(f"{r['mode']:10s} steps 2-{len(later) + 1} (fresh lengths), mean: rollout "
                          f"{mean['rollout_s']:.1f} s, update {mean['update_s']:.1f} s, step {mean['step_s']:.1f} s")
     by = {r["mode"]: r for r in rows}
-    if "fp4+lora" in by and "bf16+lora" in by:
+    if "fp4+lora" in by and "bf16+lora" in by and by["fp4+lora"]["update_s"] and by["bf16+lora"]["update_s"]:
         f, b = by["fp4+lora"], by["bf16+lora"]
         lines.append(f"FP4/bf16: rollout tokens/s x{f['rollout_tok_s'] / b['rollout_tok_s']:.2f}, update "
                      f"x{b['update_s'] / f['update_s']:.2f} faster, step x{b['step_s'] / f['step_s']:.2f} faster, "

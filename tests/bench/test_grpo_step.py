@@ -48,6 +48,18 @@ def test_tiny_cpu_step_ends_rows_at_their_drawn_lengths(tmp_path):
     assert row["update_repeat_s"] > 0 and set(row["update_compiles"]) >= {"dynamo_frames", "triton_cache_entries"}
 
 
+def test_rollout_only_times_the_rollout_and_runs_no_update(tmp_path, monkeypatch):
+    out = tmp_path / "rollout.json"
+    monkeypatch.setattr("qerl.trainer.GRPOTrainer.update",
+                        lambda *a, **k: pytest.fail("--rollout-only ran an update"))
+    assert grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", "bf16", "--prompts", "1",
+                           "--completion-cap", "12", "--median", "6", "--prompt-len", "8", "--warmup-tokens", "2",
+                           "--rollout-only", "--steps", "3", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["useful_tokens"] == sum(grpo_step.draw_lengths(8, 6, 0.6, 12, 0)) and row["rollout_tok_s"] > 0
+    assert row["update_s"] is None and row["later_steps"] == [] and row["step_s"] >= row["rollout_s"]
+
+
 def test_unknown_mode_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="--modes"):
         grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", "int8", "--prompts", "1",
