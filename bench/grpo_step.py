@@ -171,6 +171,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                                     args.device, cfg.seed), 0)
     _sync(args.device)
     warm_s = time.perf_counter() - t
+    print(f"{mode}: built and warmed up in {warm_s:.1f} s; timing the step", flush=True)  # a call cut short says where
     warm_peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0  # a full-length micro-batch
     del warm
     engine.lengths = lengths
