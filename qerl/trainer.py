@@ -29,6 +29,7 @@ from qerl.grpo import group_advantages, masked_mean, policy_loss, tis_weights, t
 from qerl.optim import build_optimizer
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
+from qerl.rollout.attention import sdpa_without_cudnn
 
 if TYPE_CHECKING:  # pydantic is not on the GPU image; the trainer only reads the config's attributes
     from qerl.checkpoint import Fingerprint
@@ -243,10 +244,7 @@ class GRPOTrainer:
         (~7 ms; ~0.6 s per 7B micro-batch, measured on an H100), which stalled the GPU of FP4 updates."""
         stack = contextlib.ExitStack()
         if not self.cfg.cudnn_attention:  # no cuDNN graph build per new micro-batch length (backward recomputes too)
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                             SDPBackend.MATH]))
+            stack.enter_context(sdpa_without_cudnn())
         dtype = self._autocast_dtype()
         if dtype is None:
             return stack

@@ -22,7 +22,7 @@ from qerl.errors import QerlError
 from qerl.quant.dense_copies import attach_dense_copies, dense_copy_bytes, detach_dense_copies
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
 from qerl.quant.linear import DENSE_COPY_MIN_ROWS
-from qerl.rollout.attention import attention_implementation
+from qerl.rollout.attention import attention_implementation, sdpa_without_cudnn
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
 from qerl.rollout.kv_pool import BlockAllocator, KVPool, expandable_segments, free_device_memory, kv_shape
 from qerl.rollout.lora_shadows import lora_in_dtype
@@ -123,7 +123,7 @@ class PagedEngine(RolloutEngine):
                           self.max_num_batched_tokens, self.max_num_seqs)
         with inference_mode(self.model), lora_in_dtype(self.model, self.lora_dtype, self._shadows), \
                 projections_fused(self._groups, compute_dtype(self.model)), \
-                attention_implementation(self.model, NAME):
+                attention_implementation(self.model, NAME), sdpa_without_cudnn():  # prefills bring new lengths
             graphs = self._graphs_for(prompts, sampling, pool)
             before = dict(graphs.stats) if graphs is not None else {}
             seconds = dict.fromkeys(_STEP_BINS, 0.0)  # wall time of the steps by rows run (each step syncs)

@@ -54,6 +54,25 @@ def test_greedy_equals_torch_engine(model_and_tok, prompts, n, block_size):
     assert model.config._attn_implementation == "sdpa"  # switched back after the call
 
 
+def test_prefill_attention_runs_without_cudnn_and_the_setting_comes_back(model_and_tok, prompts, monkeypatch):
+    """Every prompt (and every recompute after preemption) brings a new length, for which cuDNN SDPA would build
+    a graph on the host: the engine's SDPA calls run with cuDNN off, and the global setting is untouched after."""
+    import torch.nn.functional as F
+
+    model, tok = model_and_tok
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    PagedEngine(model, tok, eos_token_ids=()).generate(prompts, 2, SamplingParams(temperature=0, max_tokens=3))
+    assert len(seen) >= len(prompts) * model.config.num_hidden_layers  # at least every prompt's prefill
+    assert set(seen) == {False} and torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 @pytest.mark.parametrize("knobs", [dict(temperature=1.0), dict(temperature=0.7, top_k=50, top_p=0.9)])
 def test_sampled_equals_torch_engine(model64, model_and_tok, prompts, knobs):
     tok = model_and_tok[1]
