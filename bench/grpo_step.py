@@ -61,6 +61,8 @@ def _parse(argv=None) -> argparse.Namespace:
                    "a fresh-length rollout: GPU kernels per micro-batch, host ops")
     p.add_argument("--rollout-only", action="store_true",
                    help="time the rollout alone (no update): a recipe's full rollout whose step outlasts one call")
+    p.add_argument("--progress-s", type=float, default=60.0,
+                   help="print the timed rollout's tokens so far this often (0: never)")
     p.add_argument("--out", default="results/bench/grpo_step.json")
     return p.parse_args(argv)
 
@@ -174,7 +176,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     print(f"{mode}: built and warmed up in {warm_s:.1f} s; timing the step", flush=True)  # a call cut short says where
     warm_peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0  # a full-length micro-batch
     del warm
-    engine.lengths = lengths
+    engine.lengths, engine.progress_s = lengths, args.progress_s
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()

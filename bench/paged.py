@@ -43,6 +43,23 @@ class ForcedLengthEngine(PagedEngine):
     """PagedEngine whose row r ends after lengths[r] tokens (finish reason "stop"), as if it had sampled EOS."""
 
     lengths: list[int] = []
+    progress_s: float = 0.0  # > 0: print the tokens done so far this often (a call cut short still says how far)
+
+    def generate(self, prompts, n=1, sampling=None):
+        self._started = self._last_report = time.perf_counter()
+        return super().generate(prompts, n, sampling)
+
+    def _step(self, sched, pool, sampling, uniforms, graphs):
+        out = super()._step(sched, pool, sampling, uniforms, graphs)
+        now = time.perf_counter()
+        if self.progress_s > 0 and now - self._last_report >= self.progress_s:
+            self._last_report = now
+            done = sum(len(s.output) for s in sched.seqs)
+            finished = sum(s.finish_reason is not None for s in sched.seqs)
+            elapsed = now - self._started
+            print(f"  rollout {elapsed:.0f} s: {done:,} tokens ({done / elapsed:,.0f}/s), {finished}/"
+                  f"{len(sched.seqs)} rows finished, {sched.stats.get('preemptions', 0)} preemptions", flush=True)
+        return out
 
     def _finish_reasons(self, seqs, tokens, sampling):
         reasons = super()._finish_reasons(seqs, tokens, sampling)

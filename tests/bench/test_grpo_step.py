@@ -48,14 +48,17 @@ def test_tiny_cpu_step_ends_rows_at_their_drawn_lengths(tmp_path):
     assert row["update_repeat_s"] > 0 and set(row["update_compiles"]) >= {"dynamo_frames", "triton_cache_entries"}
 
 
-def test_rollout_only_times_the_rollout_and_runs_no_update(tmp_path, monkeypatch):
+def test_rollout_only_times_the_rollout_and_runs_no_update(tmp_path, monkeypatch, capsys):
     out = tmp_path / "rollout.json"
     monkeypatch.setattr("qerl.trainer.GRPOTrainer.update",
                         lambda *a, **k: pytest.fail("--rollout-only ran an update"))
     assert grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", "bf16", "--prompts", "1",
                            "--completion-cap", "12", "--median", "6", "--prompt-len", "8", "--warmup-tokens", "2",
-                           "--rollout-only", "--steps", "3", "--out", str(out)]) == 0
+                           "--rollout-only", "--steps", "3", "--progress-s", "1e-9", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["results"]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  rollout ")]
+    done = [int(line.split(": ")[1].split(" tokens")[0].replace(",", "")) for line in lines]  # tokens so far, per step
+    assert len(done) == row["decode_steps"] and done == sorted(done) and done[-1] == row["useful_tokens"]
     assert row["useful_tokens"] == sum(grpo_step.draw_lengths(8, 6, 0.6, 12, 0)) and row["rollout_tok_s"] > 0
     assert row["update_s"] is None and row["later_steps"] == [] and row["step_s"] >= row["rollout_s"]
 
