@@ -119,6 +119,11 @@ def fp4_kernel(x: torch.Tensor, weight_packed: torch.Tensor, n: int, k: int) -> 
                                   cuda_builds=lambda: cuda_fp4.built(device_index(x.device)))
 
 
+def _humming_ok() -> bool:
+    from qerl.quant.kernels import humming_fp4
+    return humming_fp4.available(torch.device("cuda"))
+
+
 def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bool = True) -> dict:
     """All timings of one (N, K) weight at M rows, with bandwidth and floor figures."""
     from qerl.quant.dispatch import run_fp4_matmul, run_fp4_matmul_t
@@ -133,6 +138,13 @@ def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bo
     r["bf16_us"] = graph_time_us(lambda i: torch.matmul(x, wb[i].T), nb)
     r["fp4_us"] = graph_time_us(lambda i: run_fp4_matmul(x, *fp4[i]), len(fp4))
     r["fp4_kernel"] = fp4_kernel(x, fp4[0][0], n, k)
+    if _humming_ok():  # both candidates of the dispatch, each timed alone: ours (QERL_FP4_HUMMING=0) and humming
+        with env_var("QERL_FP4_HUMMING", "0"):
+            r["ours_us"] = graph_time_us(lambda i: run_fp4_matmul(x, *fp4[i]), len(fp4))
+        r["humming_us"] = graph_time_us(lambda i: run_fp4_matmul(x, *fp4[i], kernel="humming"), len(fp4))
+        r["ours_speedup"], r["humming_speedup"] = r["bf16_us"] / r["ours_us"], r["bf16_us"] / r["humming_us"]
+        from qerl.quant.kernels import humming_fp4
+        humming_fp4.clear()
     r["bwd_bf16_us"] = graph_time_us(lambda i: torch.matmul(g, wb[i]), nb)
     r["bwd_fp4_us"] = graph_time_us(lambda i: run_fp4_matmul_t(g, *fp4[i]), len(fp4))
     if m >= 64:  # the dequantize + cuBLAS path, the many-row choice before the tiled kernels took these rows
@@ -170,6 +182,10 @@ def layer_totals(rows: list[dict], models: list[str]) -> list[dict]:
                 continue
             tot = {key: sum(r[key] * r["per_layer"] for r in sel)
                    for key in ("bf16_us", "fp4_us", "bwd_bf16_us", "bwd_fp4_us", "fp4_floor_us")}
+            for key in ("ours_us", "humming_us"):
+                if all(key in r for r in sel):
+                    tot[key] = sum(r[key] * r["per_layer"] for r in sel)
+                    tot[key.replace("_us", "_speedup")] = tot["bf16_us"] / tot[key]
             if all("dense_us" in r for r in sel):
                 tot["dense_us"] = sum(r["dense_us"] * r["per_layer"] for r in sel)
                 tot["dense_speedup"] = tot["bf16_us"] / tot["dense_us"]
@@ -201,11 +217,12 @@ def markdown(result: dict) -> str:
             f"{r['bwd_speedup']:.2f} | {opt(r, 'dense_speedup', '.2f')} |")
     lines += ["", "Per decoder layer (7B: q, k, v, o, gate, up, down; 7B-stacked: q|k|v, o, gate|up, down); dense = "
               "dequantize + cuBLAS:", "",
-              "| model | M | bf16 us | naive us | fp4 us | fp4 floor us | x bf16 | dense x bf16 | bwd bf16 us | "
-              "bwd fp4 us | bwd x |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| model | M | bf16 us | naive us | fp4 us | fp4 floor us | x bf16 | ours x bf16 | humming x bf16 | "
+              "dense x bf16 | bwd bf16 us | bwd fp4 us | bwd x |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in result["layer_totals"]:
         lines.append(f"| {t['model']} | {t['M']} | {t['bf16_us']:.0f} | {opt(t, 'naive_us', '.0f')} | "
                      f"{t['fp4_us']:.0f} | {t['fp4_floor_us']:.0f} | {t['speedup']:.2f} | "
+                     f"{opt(t, 'ours_speedup', '.2f')} | {opt(t, 'humming_speedup', '.2f')} | "
                      f"{opt(t, 'dense_speedup', '.2f')} | {t['bwd_bf16_us']:.0f} | "
                      f"{t['bwd_fp4_us']:.0f} | {t['bwd_speedup']:.2f} |")
     return "\n".join(lines)
@@ -259,8 +276,9 @@ def run(models: list[str], rows_m: list[int], naive: bool, on_row=None) -> dict:
                     timed[n, k, m] = bench_shape(n, k, m, result["ceilings"], seed=seed, naive=naive)
                 r = timed[n, k, m]
                 result["rows"].append({"model": model, "layer": layer, "per_layer": per_layer, **r})
+                extra = f"; ours {r['ours_us']:.1f} humming {r['humming_us']:.1f} us" if "humming_us" in r else ""
                 print(f"{model} {layer} M={m}: bf16 {r['bf16_us']:.1f} fp4 {r['fp4_us']:.1f} us "
-                      f"(x{r['speedup']:.2f}); bwd x{r['bwd_speedup']:.2f}", flush=True)
+                      f"(x{r['speedup']:.2f}, {r['fp4_kernel']}); bwd x{r['bwd_speedup']:.2f}{extra}", flush=True)
                 if on_row:
                     on_row({**result, "partial": True, "layer_totals": layer_totals(result["rows"], models)})
     result["layer_totals"] = layer_totals(result["rows"], models)

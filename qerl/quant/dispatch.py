@@ -21,14 +21,14 @@ from typing import NamedTuple
 import torch
 
 from qerl.errors import QerlError
-from qerl.quant.kernels import cuda_fp4
+from qerl.quant.kernels import cuda_fp4, humming_fp4
 from qerl.quant.kernels.device import auto_on_off, capability, device_index, pdl_mode
 from qerl.quant.operands import check_operands, lora_adapter, segment_bounds
 from qerl.quant.reference import reference_fp4_lora_matmul, reference_fp4_matmul, reference_fp4_matmul_t
 
-__all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "KERNELS", "SMALL_MM_MAX_ROWS", "TMA_DENSE_MIN_ROWS", "choose_kernel",
-           "fp4_cuda_mode", "fp4_lora_matmul", "fp4_matmul", "fp4_matmul_t", "pdl_mode", "run_fp4_matmul",
-           "run_fp4_matmul_t", "small_matmul"]
+__all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "HUMMING_MAX_ROWS", "HUMMING_MIN_ROWS", "KERNELS", "SMALL_MM_MAX_ROWS",
+           "TMA_DENSE_MIN_ROWS", "choose_kernel", "fp4_cuda_mode", "fp4_humming_mode", "fp4_lora_matmul", "fp4_matmul",
+           "fp4_matmul_t", "pdl_mode", "run_fp4_matmul", "run_fp4_matmul_t", "small_matmul"]
 
 AUTO_ROWS = 8  # QERL_FP4_CUDA=auto: at 9-16 rows the two-tile CUDA kernel lost to Triton (BENCHMARKS.md)
 DENSE_MIN_ROWS = 128  # grad_input, and forward before sm_90: from here dequantize + cuBLAS beats the fused kernels
@@ -37,12 +37,21 @@ DENSE_MIN_ROWS = 128  # grad_input, and forward before sm_90: from here dequanti
 TMA_DENSE_MIN_ROWS = 129
 SMALL_MM_MAX_ROWS = 64  # small_matmul's Triton kernel: a LoRA A at decode (~2 cuBLAS kernels become one)
 SMALL_MM_MAX_N = 256
-KERNELS = ("reference", "cuda", "triton", "dense")
+# QERL_FP4_HUMMING=auto: humming-kernels' W4A16 GEMM from here (sm_90+, bf16/fp16 x); below, our few-row kernels
+# win (7B stacked layer at 16 rows: x1.67 vs x1.55 bf16; at 32: x0.93 vs x1.47; H200)
+HUMMING_MIN_ROWS = 17
+HUMMING_MAX_ROWS = 2048  # measured to here: 7B layer x0.88 bf16 at 2048 rows vs x0.83 dequantize + cuBLAS (H200)
+KERNELS = ("reference", "cuda", "triton", "dense", "humming")
 
 
 def fp4_cuda_mode(environ=None) -> str:
     """QERL_FP4_CUDA: "auto" (default), "1" or "0" (see choose_kernel)."""
     return auto_on_off("QERL_FP4_CUDA", environ)
+
+
+def fp4_humming_mode(environ=None) -> str:
+    """QERL_FP4_HUMMING: "auto" (default), "1" or "0" (see choose_kernel)."""
+    return auto_on_off("QERL_FP4_HUMMING", environ)
 
 
 def _fact(value) -> bool:
@@ -53,7 +62,7 @@ def _fact(value) -> bool:
 def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: int, *,
                   dtype: torch.dtype = torch.bfloat16, w_dtype: torch.dtype | None = None, n: int = 0,
                   nvfp4: bool = True, triton=True, cuda_fits=True, cuda_builds=True, k_ok: bool = True,
-                  environ=None) -> str:
+                  humming=False, environ=None) -> str:
     """Which kernel computes `op` ("forward", "backward" or "small"), top row first:
 
     op        | condition                                                        | rows M                | kernel
@@ -63,6 +72,10 @@ def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: 
     forward   | QERL_FP4_CUDA=auto (default): sm_90+, bf16 x, fits, and the      | 1 .. AUTO_ROWS (8)    | cuda
               | module builds (else one warning, then the rows below)            |                       |
     forward   | QERL_FP4_CUDA=1: bf16 x, fits (build errors raise)               | 1 .. MAX_ROWS (16)    | cuda
+    forward   | QERL_FP4_HUMMING=auto (default): sm_90+, bf16/fp16 x, `humming`  | HUMMING_MIN_ROWS (17) | humming
+              | (humming-kernels imports, N % 64, K % 128, the weight holds its  |  .. HUMMING_MAX_ROWS  |
+              | repacked copy: humming_fp4.prebuild; "1" builds it on first use) |   (2048)              |
+    forward   | QERL_FP4_HUMMING=1: sm_80+, bf16/fp16 x, `humming`               | any not taken above   | humming
     forward   | otherwise (QERL_FP4_CUDA=0, fp16/fp32 x, outside `fits`):        |                       |
               | sm_90+ and bf16/fp16 x (TMA tiles from 33 rows)                  | < TMA_DENSE_MIN_ROWS  | triton
               |                                                                  |   (129)               |
@@ -82,7 +95,10 @@ def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: 
     ValueError on every CUDA forward. Launches of the cuda and triton kernels also read QERL_PDL
     (kernels.device.use_pdl: programmatic dependent launch, by default on sm_90+ inside CUDA-graph capture).
 
-    triton, cuda_fits and cuda_builds may be callables, asked only when the rule reaches them, in that order."""
+    humming = kernels.humming_fp4 (humming-kernels' JIT W4A16 GEMMs over a repacked copy of the weight).
+
+    triton, cuda_fits, cuda_builds and humming may be callables, asked only when the rule reaches them, in that
+    order."""
     if device_type != "cuda" or not _fact(triton):
         return "reference"
     if op == "small":
@@ -96,6 +112,8 @@ def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: 
         return "cuda"
     if op == "backward":
         return "dense" if rows >= DENSE_MIN_ROWS or not k_ok else "triton"
+    if _humming_takes(capability, rows, dtype, humming, environ):
+        return "humming"
     tma_tiles = tuple(capability) >= (9, 0) and dtype in (torch.bfloat16, torch.float16)
     return "dense" if rows >= (TMA_DENSE_MIN_ROWS if tma_tiles else DENSE_MIN_ROWS) else "triton"
 
@@ -107,6 +125,24 @@ def _cuda_takes(capability, rows, dtype, cuda_fits, cuda_builds, environ) -> boo
     if not (0 < rows <= (AUTO_ROWS if how == "auto" else cuda_fp4.MAX_ROWS) and _fact(cuda_fits)):
         return False
     return how == "1" or (tuple(capability) >= (9, 0) and _fact(cuda_builds))
+
+
+def _humming_takes(capability, rows, dtype, humming, environ) -> bool:
+    how = fp4_humming_mode(environ)
+    if how == "0" or dtype not in (torch.bfloat16, torch.float16) or rows <= 0:
+        return False
+    if how == "1":
+        return tuple(capability) >= (8, 0) and _fact(humming)
+    return tuple(capability) >= (9, 0) and HUMMING_MIN_ROWS <= rows <= HUMMING_MAX_ROWS and _fact(humming)
+
+
+def _humming_fits(x: torch.Tensor, weight_packed: torch.Tensor) -> bool:
+    """humming's tiles: N a multiple of 64, K of 128 (every Qwen2.5 projection); the package imports here; and
+    (QERL_FP4_HUMMING=auto) the weight already holds its repacked copy: an engine builds the copies when memory
+    allows (humming_fp4.prebuild), so a forward never allocates one behind the memory plan's back."""
+    if weight_packed.shape[0] % 64 or weight_packed.shape[1] * 2 % 128 or not humming_fp4.available(x.device):
+        return False
+    return humming_fp4.has_copy(weight_packed) or fp4_humming_mode() == "1"
 
 
 @functools.cache
@@ -162,7 +198,8 @@ def run_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=Non
             "forward", x.device.type, _capability(x), math.prod(x.shape[:-1]), dtype=x.dtype,
             nvfp4=weight_scale.dtype == torch.float8_e4m3fn, triton=lambda: _triton() is not None,
             cuda_fits=lambda: use_asm and cuda_fp4.fits(prepared().x2, weight_packed, *prepared()[2:]),
-            cuda_builds=lambda: cuda_fp4.built(device_index(x.device)))
+            cuda_builds=lambda: cuda_fp4.built(device_index(x.device)),
+            humming=lambda: _humming_fits(x, weight_packed))
     if kernel == "reference":
         if lora_a is None:
             return reference_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias)
@@ -178,6 +215,9 @@ def run_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=Non
 def _launch_forward(kernel, p: _Prepared, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
                     lora_scale, n_segments, config, use_asm) -> None:
     a, b = lora_adapter(p.x2, lora_a, lora_b, p.n, p.k, n_segments)
+    if kernel == "humming":
+        _humming_forward(p, weight_packed, weight_scale, weight_global_scale, bias, a, b, lora_scale, n_segments)
+        return
     if kernel == "cuda":  # x @ A.T inside the same launch, up to the kernel's MAX_FUSED_RANK
         xa = None
         if a is not None and b.shape[1] > cuda_fp4.MAX_FUSED_RANK:
@@ -192,6 +232,22 @@ def _launch_forward(kernel, p: _Prepared, weight_packed, weight_scale, weight_gl
     else:
         _triton().fp4.fp4_matmul_fused(p.x2, weight_packed, weight_scale, weight_global_scale, bias, xa, b,
                                        lora_scale, p.n1, p.n2, p.out, config, use_asm)
+
+
+def _humming_forward(p: _Prepared, weight_packed, weight_scale, weight_global_scale, bias, a, b, lora_scale,
+                     n_segments) -> None:
+    """humming's GEMM into p.out, then bias and each segment's LoRA B product on its slice (cuBLAS)."""
+    bounds = [(0, p.n1), (p.n1, p.n2), (p.n2, p.n)][:n_segments]
+    segments = [hi - lo for lo, hi in bounds]
+    humming_fp4.fp4_matmul_humming(p.x2, weight_packed, weight_scale, weight_global_scale, segments, p.out)
+    if bias is not None:
+        p.out.add_(bias.to(p.out.dtype))
+    if a is not None:
+        xa = _small_matmul_eager(p.x2, a)
+        r = b.shape[1]
+        for i, (lo, hi) in enumerate(bounds):
+            if hi > lo:
+                p.out[:, lo:hi].addmm_(xa[:, i * r:(i + 1) * r], b[lo:hi].T, alpha=lora_scale)
 
 
 def run_fp4_matmul_t(g, weight_packed, weight_scale, weight_global_scale, *, kernel: str | None = None,

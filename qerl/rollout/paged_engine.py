@@ -20,7 +20,9 @@ import torch
 
 from qerl.errors import QerlError
 from qerl.quant.dense_copies import attach_dense_copies, dense_copy_bytes, detach_dense_copies
+from qerl.quant.dispatch import HUMMING_MIN_ROWS, fp4_humming_mode
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
+from qerl.quant.kernels import humming_fp4
 from qerl.quant.linear import DENSE_COPY_MIN_ROWS
 from qerl.rollout.attention import attention_implementation, sdpa_without_cudnn
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
@@ -79,6 +81,7 @@ class PagedEngine(RolloutEngine):
         if dense_weights not in (True, False, "auto"):
             raise QerlError(f"PagedEngine.dense_weights: expected True, False or 'auto', got {dense_weights!r}")
         self.dense_weights, self.dense_bytes = dense_weights, 0
+        self.humming_bytes, self.humming_check = 0, {}
         self.dense_check: dict = {}  # the last "auto" decision: bytes needed and free, kept or not
         self._pool_rows = 0  # rows of the call the GPU pool's forward reserve was sized for
         self.model, self.tokenizer = model, tokenizer
@@ -124,6 +127,7 @@ class PagedEngine(RolloutEngine):
         with inference_mode(self.model), lora_in_dtype(self.model, self.lora_dtype, self._shadows), \
                 projections_fused(self._groups, compute_dtype(self.model)), \
                 attention_implementation(self.model, NAME), sdpa_without_cudnn():  # prefills bring new lengths
+            humming_fp4.refresh_stale()  # captured graphs read humming's repacked copies, not the packed weights
             graphs = self._graphs_for(prompts, sampling, pool)
             before = dict(graphs.stats) if graphs is not None else {}
             seconds = dict.fromkeys(_STEP_BINS, 0.0)  # wall time of the steps by rows run (each step syncs)
@@ -138,6 +142,8 @@ class PagedEngine(RolloutEngine):
         self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes,
                           dense_copy_bytes=self.dense_bytes, projection_groups=len(self._groups), **graph_stats,
                           **{f"dense_check_{k}": v for k, v in self.dense_check.items()},
+                          humming_bytes=self.humming_bytes,
+                          **{f"humming_check_{k}": v for k, v in self.humming_check.items()},
                           **{f"step_s_{k}": v for k, v in seconds.items()},
                           **{f"steps_{k}": v for k, v in counts.items()})
         return RolloutOutput(
@@ -164,13 +170,31 @@ class PagedEngine(RolloutEngine):
         if self.dense_bytes:
             detach_dense_copies(self.model, self._groups)
             self.dense_bytes = 0
+        if self.humming_bytes:
+            humming_fp4.clear()
+            self.humming_bytes = 0
 
     def _release_pool(self) -> None:
         if self.pool is not None:
             self.pool.release()
         self.pool, self._graphs = None, None  # graphs read the pool (and the dense copies) by address
 
+    def _keep_humming_copies(self, rows: int) -> None:
+        """humming's repacked FP4 weights for this call (its GEMMs from HUMMING_MIN_ROWS rows), when they leave
+        >= 75% of free memory to the pool; dropped again by release(), so the update gets the memory back."""
+        if self.humming_bytes or self.device.type != "cuda" or rows < HUMMING_MIN_ROWS or \
+                fp4_humming_mode() == "0" or not humming_fp4.available(self.device):
+            return
+        need = humming_fp4.prebuild_bytes(self.model, self._groups)
+        free = free_device_memory(self.device)
+        self.humming_check = dict(need=need, free=free, kept=0 < need <= _DENSE_COPY_FREE_FRACTION * free)
+        if self.humming_check["kept"]:
+            start = time.perf_counter()
+            self.humming_bytes = humming_fp4.prebuild(self.model, self._groups, compute_dtype(self.model))
+            self.humming_check["build_s"] = time.perf_counter() - start
+
     def _keep_dense_copies(self, rows: int) -> None:
+        self._keep_humming_copies(rows)
         if self.dense_weights is False or self.dense_bytes:
             return
         need = dense_copy_bytes(self.model, compute_dtype(self.model))

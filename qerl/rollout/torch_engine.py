@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from qerl.errors import QerlError
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
+from qerl.quant.kernels import humming_fp4
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
 from qerl.rollout.kv_pool import expandable_segments
 from qerl.rollout.lora_shadows import lora_in_dtype
@@ -96,6 +97,7 @@ class TorchEngine(RolloutEngine):
         base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         group = len(prompts) if self.max_batch_size is None else max(1, self.max_batch_size // n)
         rows: list[tuple[list[int], list[float], str]] = []
+        humming_fp4.refresh_stale()  # captured graphs read humming's repacked copies, not the packed weights
         with inference_mode(self.model), self._lora_in_compute_dtype(), \
                 projections_fused(self._groups, compute_dtype(self.model)):
             for start in range(0, len(prompts), group):

@@ -6,7 +6,8 @@ import torch
 
 from qerl.errors import QerlError
 from qerl.quant import dispatch
-from qerl.quant.dispatch import AUTO_ROWS, DENSE_MIN_ROWS, SMALL_MM_MAX_ROWS, TMA_DENSE_MIN_ROWS, choose_kernel
+from qerl.quant.dispatch import (AUTO_ROWS, DENSE_MIN_ROWS, HUMMING_MAX_ROWS, HUMMING_MIN_ROWS, SMALL_MM_MAX_ROWS,
+                                 TMA_DENSE_MIN_ROWS, choose_kernel)
 from qerl.quant.format import quantize_nvfp4
 from qerl.quant.kernels.cuda_fp4 import MAX_ROWS
 from qerl.quant.reference import reference_fp4_matmul, reference_fp4_matmul_t
@@ -73,6 +74,44 @@ TABLE = [
 def test_the_rule_as_a_table(op, device, cap, rows, facts, env, kernel):
     environ = {} if env is None else {"QERL_FP4_CUDA": env}
     assert choose_kernel(op, device, cap, rows, environ=environ, **facts) == kernel
+
+
+# humming-kernels (fact `humming`: it imports and the shape fits): (capability, rows, facts, QERL_FP4_HUMMING, kernel)
+HUMMING_TABLE = [
+    (H100, HUMMING_MIN_ROWS, {}, None, "humming"),
+    (H100, HUMMING_MAX_ROWS, {}, "auto", "humming"),
+    (H100, HUMMING_MIN_ROWS - 1, {}, None, "triton"),  # below: ours (few-row CUDA / Triton kernels)
+    (H100, AUTO_ROWS, {}, None, "cuda"),
+    (H100, HUMMING_MAX_ROWS + 1, {}, None, "dense"),  # above: dequantize + cuBLAS
+    (H100, 64, {"dtype": FP16}, None, "humming"),
+    (H100, 64, {"dtype": FP32}, None, "triton"),  # bf16/fp16 activations only
+    (H100, 64, {}, "0", "triton"),
+    (H100, 64, {"humming": False}, None, "triton"),  # not installed, or N % 64 / K % 128
+    (H100, 64, {"humming": False}, "1", "triton"),
+    (H100, 4096, {}, "1", "humming"),  # "1": every row count the CUDA kernel does not take
+    (H100, 1, {}, "1", "cuda"),
+    (A100, 64, {}, None, "reference"),  # no FP8 convert in Triton before sm_89: unchanged
+    (ADA, 64, {}, None, "triton"),  # auto: only where measured (sm_90+)
+    (ADA, 64, {}, "1", "humming"),
+    (H100, 64, {"nvfp4": False}, "1", "reference"),  # MXFP4
+]
+
+
+@pytest.mark.parametrize("cap,rows,facts,env,kernel", HUMMING_TABLE)
+def test_the_humming_rule_as_a_table(cap, rows, facts, env, kernel):
+    environ = {} if env is None else {"QERL_FP4_HUMMING": env}
+    assert choose_kernel("forward", "cuda", cap, rows, environ=environ, **{"humming": True, **facts}) == kernel
+
+
+def test_humming_is_never_asked_for_the_backward_or_outside_its_rows():
+    def never():
+        raise AssertionError("asked")
+
+    assert choose_kernel("backward", "cuda", H100, 64, humming=never, environ={"QERL_FP4_HUMMING": "1"}) == "triton"
+    assert choose_kernel("forward", "cuda", H100, HUMMING_MAX_ROWS + 1, humming=never, environ={}) == "dense"
+    assert choose_kernel("forward", "cuda", H100, 64, humming=never, environ={"QERL_FP4_HUMMING": "0"}) == "triton"
+    with pytest.raises(ValueError, match="QERL_FP4_HUMMING"):
+        choose_kernel("forward", "cuda", H100, 64, humming=True, environ={"QERL_FP4_HUMMING": "yes"})
 
 
 def test_costly_facts_are_asked_only_when_the_rule_reaches_them():

@@ -378,3 +378,38 @@ def test_gpu_fp4_lora_graphs_with_groups_and_bf16_style_copies_equal_eager(nvfp4
     assert again.stats["graph_captures"] >= 1
     same_rows(again, eager, atol=1e-3)
     assert model_state(model) == before
+
+
+@pytest.mark.gpu
+def test_gpu_fp4_rollout_on_humming_copies_matches_our_kernels_and_gives_the_memory_back(tokenizer_dir, monkeypatch):
+    """A random Qwen2.5-shaped FP4 + LoRA model (shapes humming tiles), 24 rows: the engine builds humming's
+    repacked copies before its pool, its rows' log-probs match those of our kernels (QERL_FP4_HUMMING=0), and
+    release() drops the copies."""
+    from transformers import AutoTokenizer
+
+    from bench.random_models import attach_lora, build_random_model, qwen25_config
+    from qerl.quant.kernels import humming_fp4
+
+    if not torch.cuda.is_available() or not humming_fp4.available(torch.device("cuda")):
+        pytest.skip("needs a CUDA GPU and humming-kernels")
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = qwen25_config("7B", hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=2)
+    model = attach_lora(build_random_model(config, fp4=True), r=8, alpha=16, fp4=True, gradient_checkpointing=False)
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    monkeypatch.setenv("QERL_FP4_HUMMING", "0")
+    ours = PagedEngine(model, tok, eos_token_ids=(), dense_weights=False)
+    ref = ours.generate(prompts, 8, params)
+    ours.close()
+    assert ref.stats["humming_bytes"] == 0
+    monkeypatch.delenv("QERL_FP4_HUMMING")
+    engine = PagedEngine(model, tok, eos_token_ids=(), dense_weights=False)
+    out = engine.generate(prompts, 8, params)
+    assert out.stats["humming_bytes"] > 0 and humming_fp4.copies_nbytes() == out.stats["humming_bytes"]
+    first = torch.tensor([lp[0] for lp in out.logprobs])
+    torch.testing.assert_close(first, torch.tensor([lp[0] for lp in ref.logprobs]), atol=3e-2, rtol=0)
+    assert all(len(c) == 6 for c in out.completion_ids)
+    engine.release()
+    assert humming_fp4.copies_nbytes() == 0
+    engine.close()

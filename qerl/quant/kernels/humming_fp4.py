@@ -1,0 +1,198 @@
+"""NVFP4 matmuls on humming-kernels (vllm-project/humming): JIT-compiled W4A16 GEMMs that read our packed tensors.
+
+    from qerl.quant.kernels import humming_fp4
+    if humming_fp4.available(x.device):
+        humming_fp4.fp4_matmul_humming(x2, weight_packed, weight_scale, weight_global_scale, segments, out)
+
+Humming takes a compressed-tensors `nvfp4-pack-quantized` weight as it is on disk (E2M1 codes, E4M3 group-16 scales,
+the FP32 global scale as a divisor) and repacks it once into its own tile layout; that repacked copy is what its
+kernels stream. We keep one per packed weight tensor (cached on the tensor, rebuilt in place when the tensor is
+changed in place, so a captured CUDA graph keeps reading valid addresses) beside our own layout, which the training
+kernels (grad_input, many-row forwards) still read: the copy costs the packed weight's bytes once more.
+
+Numerics: codes and group scales are taken bit for bit; the global scale is applied as its FP32 reciprocal (one
+scale per tensor; per output channel in the activation dtype when stacked weights carry different global scales,
+which llmcompressor's fused q/k/v and gate/up scales avoid). Accumulation is FP32, the output in x's dtype.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+__all__ = ["available", "clear", "copies_nbytes", "dequantize_humming", "fp4_matmul_humming", "has_copy",
+           "humming_weight", "prebuild", "prebuild_bytes", "refresh_stale"]
+
+_ATTR = "_qerl_humming"  # the repacked copy, kept on the packed weight tensor itself
+
+
+@functools.cache
+def _humming():
+    """The humming package, or None where it does not import (not installed, no CUDA driver)."""
+    try:
+        import humming.layer  # noqa: F401 - registers its schemas and ops
+        from humming import dtypes, forward, schema, transform
+    except Exception:  # ImportError, or its native launcher failing without a driver
+        return None
+    return dict(dtypes=dtypes, forward=forward, schema=schema, transform=transform)
+
+
+def available(device: torch.device | None = None) -> bool:
+    """humming imports and `device` is a CUDA device of sm_80+ (its bf16 W4A16 kernels)."""
+    if device is not None and torch.device(device).type != "cuda":
+        return False
+    if _humming() is None or not torch.cuda.is_available():
+        return False
+    index = torch.device(device).index if device is not None else None
+    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())[0] >= 8
+
+
+class HummingWeight:
+    """One packed NVFP4 weight (up to three stacked along N) in humming's layout, and its layer config."""
+
+    def __init__(self, weight_packed, weight_scale, weight_global_scale, segments, dtype: torch.dtype):
+        h = _humming()
+        n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
+        self.key = self._key(weight_packed, weight_scale, weight_global_scale, segments, dtype)
+        self.dtype, self.n, self.k = dtype, n, k
+        ct = h["schema"].CompressedTensorsWeightSchema(format="nvfp4-pack-quantized", type="float", num_bits=4,
+                                                       strategy="tensor_group", group_size=16)
+        gs = weight_global_scale.reshape(-1).float()
+        stacks = list(segments) if gs.numel() > 1 else [n]
+        with torch.no_grad():
+            wschema, tensors = ct.convert_humming(
+                {"weight_packed": weight_packed, "weight_scale": weight_scale, "weight_global_scale": gs},
+                shape_n_stacks=stacks, shape_k_stacks=[k], param_dtype=dtype, device=weight_packed.device,
+                convert_symmetric_integer=False)
+            self.schema = wschema
+            self.converted = tensors  # humming's schema, before its tile layout: what dequantize_humming reads
+            ischema = h["schema"].HummingInputSchema(a_dtype=h["dtypes"].DataType.from_torch_dtype(dtype))
+            self.config = h["transform"].prepare_layer_config(
+                shape_n=n, shape_k=k, weight_schema=wschema, input_schema=ischema, torch_dtype=dtype,
+                device=weight_packed.device, tensors=dict(tensors))
+            self.tensors = h["transform"].transform_humming_tensors(self.config, dict(tensors))
+        self.operands = tuple(weakref.ref(t) for t in (weight_packed, weight_scale, weight_global_scale))
+        self.segments = tuple(segments)
+        self.locks = torch.zeros(2048, dtype=torch.int32, device=weight_packed.device)  # stream-K state, per weight
+
+    @staticmethod
+    def _key(weight_packed, weight_scale, weight_global_scale, segments, dtype):
+        return (weight_packed.data_ptr(), weight_packed._version, weight_scale.data_ptr(), weight_scale._version,
+                weight_global_scale.data_ptr(), weight_global_scale._version, tuple(segments), dtype)
+
+    def refresh_from(self, other: "HummingWeight") -> None:
+        """Take `other`'s values into this copy's tensors (same shapes), so captured graphs see them."""
+        with torch.no_grad():
+            for name, t in self.tensors.items():
+                t.copy_(other.tensors[name])
+        self.key = other.key
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def run(self, x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        t = self.tensors
+        return _humming()["forward"].humming_forward(
+            self.config, inputs=x2, weight=t["weight"], weight_scale=t.get("weight_scale"),
+            weight_scale_2=t.get("weight_scale_2"), outputs=out, locks=self.locks)
+
+
+_live: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()  # packed tensors that carry a copy (for clear/bytes)
+
+
+def humming_weight(weight_packed, weight_scale, weight_global_scale, segments=None,
+                   dtype: torch.dtype = torch.bfloat16) -> HummingWeight:
+    """The repacked copy of this packed weight for activations in `dtype`: built on first use, rebuilt (into the
+    same tensors) when any operand was changed in place or replaced."""
+    segments = tuple(segments or (weight_packed.shape[0],))
+    held = weight_packed.__dict__.get(_ATTR)
+    key = HummingWeight._key(weight_packed, weight_scale, weight_global_scale, segments, dtype)
+    if held is not None and held.key == key:
+        return held
+    fresh = HummingWeight(weight_packed, weight_scale, weight_global_scale, segments, dtype)
+    if held is not None and held.key[-2:] == key[-2:] and \
+            all(held.tensors[n].shape == t.shape for n, t in fresh.tensors.items()):
+        held.refresh_from(fresh)
+        return held
+    weight_packed.__dict__[_ATTR] = fresh
+    _live.add(weight_packed)
+    return fresh
+
+
+def refresh_stale() -> int:
+    """Rebuild (in place) every copy whose operands were changed in place since it was built; returns how many.
+    Engines call it before replaying captured graphs, which read the copies without asking humming_weight."""
+    stale = 0
+    for t in list(_live):
+        held = t.__dict__.get(_ATTR)
+        ops = [ref() for ref in held.operands] if held is not None else [None]
+        if held is None or any(o is None for o in ops):
+            continue
+        if HummingWeight._key(*ops, held.segments, held.dtype) != held.key:
+            humming_weight(*ops, held.segments, held.dtype)
+            stale += 1
+    return stale
+
+
+def has_copy(weight_packed: torch.Tensor) -> bool:
+    """Whether this packed weight holds a repacked copy now (QERL_FP4_HUMMING=auto only uses existing ones)."""
+    return _ATTR in weight_packed.__dict__
+
+
+def _operands(model, groups):
+    """(weight_packed, weight_scale, weight_global_scale, segments) of every NVFP4 matmul an inference forward of
+    `model` runs: each FP4 projection group's stacked weight, and every FP4Linear outside a group."""
+    from qerl.quant.linear import FP4Linear
+
+    grouped = set()
+    for g in groups:
+        if g.kind == "fp4" and g.stacked:
+            st = g.stacked
+            segs = tuple(g.sizes) if st["weight_global_scale"].numel() > 1 else (st["weight_packed"].shape[0],)
+            grouped.update(id(m.base_layer) for m in g.members)
+            yield st["weight_packed"], st["weight_scale"], st["weight_global_scale"], segs
+    for m in model.modules():
+        if isinstance(m, FP4Linear) and m.fmt == "nvfp4" and id(m) not in grouped:
+            yield m.weight_packed, m.weight_scale, m.weight_global_scale, (m.weight_packed.shape[0],)
+
+
+def prebuild_bytes(model, groups=()) -> int:
+    """About the bytes prebuild would allocate: the packed codes and scales once more, per channel scales."""
+    return sum(wp.numel() * wp.element_size() + ws.numel() * ws.element_size() + 2 * wp.shape[0]
+               for wp, ws, _, _ in _operands(model, groups) if not has_copy(wp))
+
+
+def prebuild(model, groups=(), dtype: torch.dtype = torch.bfloat16) -> int:
+    """Build the repacked copy of every NVFP4 matmul `model` runs at inference (`groups`: its projection groups);
+    returns the bytes they hold. Shapes humming does not tile (N % 64, K % 128) are left to our kernels."""
+    for wp, ws, gs, segs in _operands(model, groups):
+        if wp.is_cuda and wp.shape[0] % 64 == 0 and wp.shape[1] * 2 % 128 == 0:
+            humming_weight(wp, ws, gs, segs, dtype)
+    return copies_nbytes()
+
+
+def copies_nbytes() -> int:
+    """Bytes held by the repacked copies alive now."""
+    return sum(t.__dict__[_ATTR].nbytes() for t in list(_live) if _ATTR in t.__dict__)
+
+
+def clear() -> None:
+    """Drop every repacked copy (e.g. before a memory-hungry phase); the next humming call rebuilds its own."""
+    for t in list(_live):
+        t.__dict__.pop(_ATTR, None)
+    _live.clear()
+
+
+def dequantize_humming(weight_packed, weight_scale, weight_global_scale, segments=None) -> torch.Tensor:
+    """The dense float32 weight as humming reads it from our tensors (its own dequantizer over the converted
+    tensors, before the tile layout): the check that the conversion takes our format exactly."""
+    hw = humming_weight(weight_packed, weight_scale, weight_global_scale, segments)
+    return hw.schema.dequant_tensors(hw.converted).float()
+
+
+def fp4_matmul_humming(x2: torch.Tensor, weight_packed, weight_scale, weight_global_scale, segments,
+                       out: torch.Tensor) -> torch.Tensor:
+    """out (M, N) = x2 (M, K) @ deq(W).T on humming's kernel (its own tile heuristics per M)."""
+    hw = humming_weight(weight_packed, weight_scale, weight_global_scale, segments, x2.dtype)
+    return hw.run(x2.contiguous(), out)
