@@ -47,6 +47,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--completion-cap", type=int, default=0, help="0: the recipe's max_completion_length")
     p.add_argument("--num-iterations", type=int, default=0, help="policy updates per rollout batch "
                    "(0: the recipe's; each one is another pass over the step's rows)")
+    p.add_argument("--optim", default="", help="override train.optim (e.g. adamw_torch where bitsandbytes is absent)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--median", type=float, default=400.0)
     p.add_argument("--sigma", type=float, default=0.6)
@@ -79,6 +80,8 @@ def recipe(args):
         changes["max_completion_length"] = args.completion_cap
     if args.num_iterations:
         changes["num_iterations"] = args.num_iterations
+    if args.optim:
+        changes["optim"] = args.optim
     return exp.train.model_copy(update=changes), args.size or exp.model_size
 
 

@@ -70,9 +70,9 @@ def test_forward_matches_float64_reference(rows, case):
         x.double() @ torch.cat([dequantize_nvfp4(wp[a:b], ws[a:b], gs.reshape(-1)[i], dtype=torch.float64)
                                 for i, (a, b) in enumerate(_bounds(sizes))]).T
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
-    # bf16 output rounding (2^-8) plus, for stacked weights with their own global scales, the reciprocal scales
+    # bf16 rounding of the output and of the LoRA term (2^-8 each) plus, for stacked weights with their own global scales, the reciprocal scales
     # held per channel in bf16 (another 2^-9)
-    tol = 1.2e-2 if case == "stacked-own" else 8e-3
+    tol = 1.6e-2 if case == "stacked-own" else 1.2e-2
     err = (out.double() - ref).abs().max() / ref.abs().max()
     assert err < tol, err
     hf.clear()
