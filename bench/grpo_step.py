@@ -204,6 +204,8 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   **{k.replace("dense_check_", "dense_check_gib_"): v / 2**30 for k, v in stats.items()
                      if k.startswith("dense_check_") and k != "dense_check_kept"},
                   dense_check_kept=stats.get("dense_check_kept"),
+                  humming_gib=stats.get("humming_bytes", 0) / 2**30,
+                  humming_build_s=stats.get("humming_check_build_s", 0.0),
                   num_blocks=stats.get("num_blocks"), graph_captures_timed=stats.get("graph_captures"),
                   floor_bytes=floor, bytes_floor_s=floor / bandwidth, floor_s=floor_s,
                   floor_pct=100 * floor_s / rollout_s,
