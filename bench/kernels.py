@@ -119,14 +119,10 @@ def fp4_kernel(x: torch.Tensor, weight_packed: torch.Tensor, n: int, k: int) -> 
                                   cuda_builds=lambda: cuda_fp4.built(device_index(x.device)))
 
 
-def _humming_ok() -> bool:
-    from qerl.quant.kernels import humming_fp4
-    return humming_fp4.available(torch.device("cuda"))
-
-
 def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bool = True) -> dict:
     """All timings of one (N, K) weight at M rows, with bandwidth and floor figures."""
     from qerl.quant.dispatch import run_fp4_matmul, run_fp4_matmul_t
+    from qerl.quant.kernels import humming_fp4
 
     fp4_bytes = n * k // 2 + n * k // 16 + 4
     fp4 = _fp4_weights(n, k, _copies(fp4_bytes), seed)
@@ -138,12 +134,11 @@ def bench_shape(n: int, k: int, m: int, ceilings: dict, seed: int = 0, naive: bo
     r["bf16_us"] = graph_time_us(lambda i: torch.matmul(x, wb[i].T), nb)
     r["fp4_us"] = graph_time_us(lambda i: run_fp4_matmul(x, *fp4[i]), len(fp4))
     r["fp4_kernel"] = fp4_kernel(x, fp4[0][0], n, k)
-    if _humming_ok():  # both candidates of the dispatch, each timed alone: ours (QERL_FP4_HUMMING=0) and humming
+    if humming_fp4.available():  # both candidates of the dispatch, each timed alone: ours (QERL_FP4_HUMMING=0) and humming
         with env_var("QERL_FP4_HUMMING", "0"):
             r["ours_us"] = graph_time_us(lambda i: run_fp4_matmul(x, *fp4[i]), len(fp4))
         r["humming_us"] = graph_time_us(lambda i: run_fp4_matmul(x, *fp4[i], kernel="humming"), len(fp4))
         r["ours_speedup"], r["humming_speedup"] = r["bf16_us"] / r["ours_us"], r["bf16_us"] / r["humming_us"]
-        from qerl.quant.kernels import humming_fp4
         humming_fp4.clear()
     r["bwd_bf16_us"] = graph_time_us(lambda i: torch.matmul(g, wb[i]), nb)
     r["bwd_fp4_us"] = graph_time_us(lambda i: run_fp4_matmul_t(g, *fp4[i]), len(fp4))

@@ -74,7 +74,7 @@ def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: 
     forward   | QERL_FP4_CUDA=1: bf16 x, fits (build errors raise)               | 1 .. MAX_ROWS (16)    | cuda
     forward   | QERL_FP4_HUMMING=auto (default): sm_90+, bf16/fp16 x, `humming`  | HUMMING_MIN_ROWS (17) | humming
               | (humming-kernels imports, N % 64, K % 128, the weight holds its  |  .. HUMMING_MAX_ROWS  |
-              | repacked copy: humming_fp4.prebuild; "1" builds it on first use) |   (2048)              |
+              | repacked copy: quant.humming_copies; "1" builds it on first use) |   (2048)              |
     forward   | QERL_FP4_HUMMING=1: sm_80+, bf16/fp16 x, `humming`               | any not taken above   | humming
     forward   | otherwise (QERL_FP4_CUDA=0, fp16/fp32 x, outside `fits`):        |                       |
               | sm_90+ and bf16/fp16 x (TMA tiles from 33 rows)                  | < TMA_DENSE_MIN_ROWS  | triton
@@ -139,8 +139,8 @@ def _humming_takes(capability, rows, dtype, humming, environ) -> bool:
 def _humming_fits(x: torch.Tensor, weight_packed: torch.Tensor) -> bool:
     """humming's tiles: N a multiple of 64, K of 128 (every Qwen2.5 projection); the package imports here; and
     (QERL_FP4_HUMMING=auto) the weight already holds its repacked copy: an engine builds the copies when memory
-    allows (humming_fp4.prebuild), so a forward never allocates one behind the memory plan's back."""
-    if weight_packed.shape[0] % 64 or weight_packed.shape[1] * 2 % 128 or not humming_fp4.available(x.device):
+    allows (qerl.quant.humming_copies), so a forward never allocates one behind the memory plan's back."""
+    if not humming_fp4.fits(weight_packed) or not humming_fp4.available(x.device):
         return False
     return humming_fp4.has_copy(weight_packed) or fp4_humming_mode() == "1"
 

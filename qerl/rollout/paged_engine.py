@@ -22,6 +22,7 @@ from qerl.errors import QerlError
 from qerl.quant.dense_copies import attach_dense_copies, dense_copy_bytes, detach_dense_copies
 from qerl.quant.dispatch import HUMMING_MIN_ROWS, fp4_humming_mode
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
+from qerl.quant.humming_copies import attach_humming_copies, detach_humming_copies, humming_copy_bytes
 from qerl.quant.kernels import humming_fp4
 from qerl.quant.linear import DENSE_COPY_MIN_ROWS
 from qerl.rollout.attention import attention_implementation, sdpa_without_cudnn
@@ -114,6 +115,7 @@ class PagedEngine(RolloutEngine):
         if self.pool is not None and self._pool_rows and len(prompts) * n > self._pool_rows:
             self._release_pool()  # its forward reserve was sized for fewer sampling rows
         if self.pool is None:  # the copies first, so that the pool is sized from what they leave
+            self._keep_humming_copies(len(prompts) * n)
             self._keep_dense_copies(len(prompts) * n)
         pool = self._pool_for(prompts, n, sampling.max_tokens)
         check_fits(prompts, sampling.max_tokens, self.block_size, pool.num_blocks)
@@ -171,7 +173,7 @@ class PagedEngine(RolloutEngine):
             detach_dense_copies(self.model, self._groups)
             self.dense_bytes = 0
         if self.humming_bytes:
-            humming_fp4.clear()
+            detach_humming_copies(self.model, self._groups)
             self.humming_bytes = 0
 
     def _release_pool(self) -> None:
@@ -185,16 +187,15 @@ class PagedEngine(RolloutEngine):
         if self.humming_bytes or self.device.type != "cuda" or rows < HUMMING_MIN_ROWS or \
                 fp4_humming_mode() == "0" or not humming_fp4.available(self.device):
             return
-        need = humming_fp4.prebuild_bytes(self.model, self._groups)
+        need = humming_copy_bytes(self.model, self._groups)
         free = free_device_memory(self.device)
         self.humming_check = dict(need=need, free=free, kept=0 < need <= _DENSE_COPY_FREE_FRACTION * free)
         if self.humming_check["kept"]:
             start = time.perf_counter()
-            self.humming_bytes = humming_fp4.prebuild(self.model, self._groups, compute_dtype(self.model))
+            self.humming_bytes = attach_humming_copies(self.model, self._groups, compute_dtype(self.model))
             self.humming_check["build_s"] = time.perf_counter() - start
 
     def _keep_dense_copies(self, rows: int) -> None:
-        self._keep_humming_copies(rows)
         if self.dense_weights is False or self.dense_bytes:
             return
         need = dense_copy_bytes(self.model, compute_dtype(self.model))

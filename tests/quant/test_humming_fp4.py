@@ -63,12 +63,12 @@ def test_forward_matches_float64_reference(rows, case):
         lora_b = torch.randn(n, 8, device="cuda", dtype=torch.bfloat16)
     segments = sizes if len(sizes) > 1 else None
     out = run_fp4_matmul(x, wp, ws, gs, bias, lora_a, lora_b, 0.5, segments=segments, kernel="humming")
-    ref = reference_fp4_lora_matmul(x.double(), wp, ws, gs, None if bias is None else bias.double(),
-                                    None if lora_a is None else lora_a.double(),
-                                    None if lora_b is None else lora_b.double(), 0.5, segments) \
-        if lora_a is not None else \
-        x.double() @ torch.cat([dequantize_nvfp4(wp[a:b], ws[a:b], gs.reshape(-1)[i], dtype=torch.float64)
-                                for i, (a, b) in enumerate(_bounds(sizes))]).T
+    if lora_a is not None:
+        ref = reference_fp4_lora_matmul(x.double(), wp, ws, gs, bias.double(), lora_a.double(), lora_b.double(), 0.5,
+                                        segments)
+    else:  # each segment dequantized with its own global scale
+        ref = x.double() @ torch.cat([dequantize_nvfp4(wp[a:b], ws[a:b], gs.reshape(-1)[i], dtype=torch.float64)
+                                      for i, (a, b) in enumerate(_bounds(sizes))]).T
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     # bf16 rounding of the output and of the LoRA term (2^-8 each) plus, for stacked weights with their own global scales, the reciprocal scales
     # held per channel in bf16 (another 2^-9)
@@ -93,9 +93,10 @@ def _close(out, ref):
 
 def test_auto_uses_only_prebuilt_copies_and_the_engine_builds_them(monkeypatch):
     """QERL_FP4_HUMMING=auto never allocates a copy inside a forward: without one the rows go to our kernels;
-    prebuild gives every FP4 layer (and group) its copy, after which the same call runs on humming."""
+    attach_humming_copies gives every FP4 layer (and group) its copy, after which the same call runs on humming."""
     hf = _humming()
     from qerl.quant import dispatch
+    from qerl.quant.humming_copies import attach_humming_copies, humming_copy_bytes
     from qerl.quant.linear import FP4Linear
 
     monkeypatch.delenv("QERL_FP4_HUMMING", raising=False)
@@ -106,8 +107,8 @@ def test_auto_uses_only_prebuilt_copies_and_the_engine_builds_them(monkeypatch):
     dispatch.run_fp4_matmul(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
     assert not calls and not hf.has_copy(layer.weight_packed) and hf.copies_nbytes() == 0
     model = torch.nn.Sequential(layer)
-    need = hf.prebuild_bytes(model)
-    assert hf.prebuild(model) >= need * 0.9 and hf.has_copy(layer.weight_packed)
+    need = humming_copy_bytes(model)
+    assert attach_humming_copies(model) >= need * 0.9 and hf.has_copy(layer.weight_packed)
     dispatch.run_fp4_matmul(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
     assert calls == [1]
     hf.clear()

@@ -21,8 +21,10 @@ import weakref
 
 import torch
 
-__all__ = ["available", "clear", "copies_nbytes", "dequantize_humming", "fp4_matmul_humming", "has_copy",
-           "humming_weight", "prebuild", "prebuild_bytes", "refresh_stale"]
+from qerl.quant.kernels.device import capability, device_index
+
+__all__ = ["available", "clear", "copies_nbytes", "dequantize_humming", "drop", "fits", "fp4_matmul_humming",
+           "has_copy", "humming_weight", "refresh_stale"]
 
 _ATTR = "_qerl_humming"  # the repacked copy, kept on the packed weight tensor itself
 
@@ -39,13 +41,11 @@ def _humming():
 
 
 def available(device: torch.device | None = None) -> bool:
-    """humming imports and `device` is a CUDA device of sm_80+ (its bf16 W4A16 kernels)."""
-    if device is not None and torch.device(device).type != "cuda":
+    """humming imports and `device` (default: the current one) is a CUDA device of sm_80+ (its bf16 W4A16 GEMMs)."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda" or _humming() is None or not torch.cuda.is_available():
         return False
-    if _humming() is None or not torch.cuda.is_available():
-        return False
-    index = torch.device(device).index if device is not None else None
-    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())[0] >= 8
+    return capability(device_index(device))[0] >= 8
 
 
 class HummingWeight:
@@ -55,7 +55,7 @@ class HummingWeight:
         h = _humming()
         n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
         self.key = self._key(weight_packed, weight_scale, weight_global_scale, segments, dtype)
-        self.dtype, self.n, self.k = dtype, n, k
+        self.dtype = dtype
         ct = h["schema"].CompressedTensorsWeightSchema(format="nvfp4-pack-quantized", type="float", num_bits=4,
                                                        strategy="tensor_group", group_size=16)
         gs = weight_global_scale.reshape(-1).float()
@@ -126,10 +126,8 @@ def refresh_stale() -> int:
     stale = 0
     for t in list(_live):
         held = t.__dict__.get(_ATTR)
-        ops = [ref() for ref in held.operands] if held is not None else [None]
-        if held is None or any(o is None for o in ops):
-            continue
-        if HummingWeight._key(*ops, held.segments, held.dtype) != held.key:
+        ops = [ref() for ref in held.operands] if held is not None else []
+        if ops and None not in ops and HummingWeight._key(*ops, held.segments, held.dtype) != held.key:
             humming_weight(*ops, held.segments, held.dtype)
             stale += 1
     return stale
@@ -140,36 +138,15 @@ def has_copy(weight_packed: torch.Tensor) -> bool:
     return _ATTR in weight_packed.__dict__
 
 
-def _operands(model, groups):
-    """(weight_packed, weight_scale, weight_global_scale, segments) of every NVFP4 matmul an inference forward of
-    `model` runs: each FP4 projection group's stacked weight, and every FP4Linear outside a group."""
-    from qerl.quant.linear import FP4Linear
-
-    grouped = set()
-    for g in groups:
-        if g.kind == "fp4" and g.stacked:
-            st = g.stacked
-            segs = tuple(g.sizes) if st["weight_global_scale"].numel() > 1 else (st["weight_packed"].shape[0],)
-            grouped.update(id(m.base_layer) for m in g.members)
-            yield st["weight_packed"], st["weight_scale"], st["weight_global_scale"], segs
-    for m in model.modules():
-        if isinstance(m, FP4Linear) and m.fmt == "nvfp4" and id(m) not in grouped:
-            yield m.weight_packed, m.weight_scale, m.weight_global_scale, (m.weight_packed.shape[0],)
+def fits(weight_packed: torch.Tensor) -> bool:
+    """humming's tiles: N a multiple of 64, K of 128 (every Qwen2.5 projection)."""
+    return weight_packed.shape[0] % 64 == 0 and weight_packed.shape[1] * 2 % 128 == 0
 
 
-def prebuild_bytes(model, groups=()) -> int:
-    """About the bytes prebuild would allocate: the packed codes and scales once more, per channel scales."""
-    return sum(wp.numel() * wp.element_size() + ws.numel() * ws.element_size() + 2 * wp.shape[0]
-               for wp, ws, _, _ in _operands(model, groups) if not has_copy(wp))
-
-
-def prebuild(model, groups=(), dtype: torch.dtype = torch.bfloat16) -> int:
-    """Build the repacked copy of every NVFP4 matmul `model` runs at inference (`groups`: its projection groups);
-    returns the bytes they hold. Shapes humming does not tile (N % 64, K % 128) are left to our kernels."""
-    for wp, ws, gs, segs in _operands(model, groups):
-        if wp.is_cuda and wp.shape[0] % 64 == 0 and wp.shape[1] * 2 % 128 == 0:
-            humming_weight(wp, ws, gs, segs, dtype)
-    return copies_nbytes()
+def drop(weight_packed: torch.Tensor) -> None:
+    """Drop this packed weight's copy, if it holds one."""
+    weight_packed.__dict__.pop(_ATTR, None)
+    _live.discard(weight_packed)
 
 
 def copies_nbytes() -> int:

@@ -1,0 +1,55 @@
+"""humming-kernels' repacked copies of the frozen FP4 base, held for one rollout when memory allows.
+
+    need = humming_copy_bytes(model, groups)           # before the KV pool is sized
+    nbytes = attach_humming_copies(model, groups, torch.bfloat16)
+    ...rollout...                                        # 17-2048 rows: humming's GEMM (qerl.quant.dispatch)
+    detach_humming_copies(model, groups)                 # the update gets the memory back
+
+With QERL_FP4_HUMMING=auto the dispatch only uses a copy that already exists, so the memory they take is decided
+here, once per rollout, beside the dense copies (qerl.quant.dense_copies), never inside a forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qerl.quant.kernels import humming_fp4
+from qerl.quant.linear import FP4Linear
+
+
+def _operands(model: nn.Module, groups):
+    """(weight_packed, weight_scale, weight_global_scale, segments) of every NVFP4 matmul an inference forward of
+    `model` runs, in the shapes humming tiles: each FP4 projection group's stacked weight, and every FP4Linear
+    outside a group."""
+    grouped = set()
+    found = []
+    for g in groups:
+        if g.kind == "fp4" and g.stacked:
+            st = g.stacked
+            segs = tuple(g.sizes) if st["weight_global_scale"].numel() > 1 else (st["weight_packed"].shape[0],)
+            grouped.update(id(m.base_layer) for m in g.members)
+            found.append((st["weight_packed"], st["weight_scale"], st["weight_global_scale"], segs))
+    found += [(m.weight_packed, m.weight_scale, m.weight_global_scale, (m.weight_packed.shape[0],))
+              for m in model.modules()
+              if isinstance(m, FP4Linear) and m.fmt == "nvfp4" and id(m) not in grouped]
+    return [op for op in found if humming_fp4.fits(op[0])]
+
+
+def humming_copy_bytes(model: nn.Module, groups=()) -> int:
+    """About the bytes attach_humming_copies would allocate: the packed codes and scales once more, plus per
+    channel scales (copies already held count nothing)."""
+    return sum(wp.numel() * wp.element_size() + ws.numel() * ws.element_size() + 2 * wp.shape[0]
+               for wp, ws, _, _ in _operands(model, groups) if not humming_fp4.has_copy(wp))
+
+
+def attach_humming_copies(model: nn.Module, groups=(), dtype: torch.dtype = torch.bfloat16) -> int:
+    """Give every NVFP4 matmul of `model` (`groups`: its projection groups) its repacked copy for activations in
+    `dtype`; returns the bytes the copies hold. Idempotent."""
+    ops = [op for op in _operands(model, groups) if op[0].is_cuda]
+    return sum(humming_fp4.humming_weight(wp, ws, gs, segs, dtype).nbytes() for wp, ws, gs, segs in ops)
+
+
+def detach_humming_copies(model: nn.Module, groups=()) -> None:
+    """Drop the copies of `model`'s matmuls (other models' copies stay)."""
+    for wp, _, _, _ in _operands(model, groups):
+        humming_fp4.drop(wp)

@@ -1,0 +1,44 @@
+"""qerl.quant.humming_copies on CPU: which matmuls get a copy and what they would cost (no GPU, no humming)."""
+from __future__ import annotations
+
+import torch
+
+from bench.random_models import attach_lora, build_random_model, qwen25_config
+from qerl.quant.grouped import group_projections
+from qerl.quant.humming_copies import _operands, detach_humming_copies, humming_copy_bytes
+
+
+def _model():
+    config = qwen25_config("7B", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=512, pad_token_id=0, bos_token_id=0, eos_token_id=1)
+    return attach_lora(build_random_model(config, fp4=True, device="cpu", dtype=torch.float32), r=4, alpha=8,
+                       fp4=True, gradient_checkpointing=False)
+
+
+def test_grouped_layers_count_once_as_their_stack_and_the_bytes_are_codes_plus_scales():
+    model = _model()
+    # per layer: q 256x256, k/v 128x256 each, o 256x256, gate/up 512x256 each, down 256x512
+    shapes = [(256, 256), (128, 256), (128, 256), (256, 256), (512, 256), (512, 256), (256, 512)] * 2
+
+    def cost(n, k):  # codes (K/2 bytes a row), FP8 scales (K/16), bf16 per-channel scales (2)
+        return n * (k // 2 + k // 16 + 2)
+
+    assert len(_operands(model, [])) == 14
+    assert humming_copy_bytes(model) == sum(cost(n, k) for n, k in shapes)
+    groups = group_projections(model, kinds=("fp4",))
+    assert len(groups) == 4  # q|k|v and gate|up of each layer
+    ops = _operands(model, groups)
+    assert len(ops) == 4 + 4  # the stacks, then o and down of each layer
+    assert sorted(op[0].shape[0] for op in ops) == [256, 256, 256, 256, 512, 512, 1024, 1024]
+    assert [op[3] for op in ops[:4]] == [(256, 128, 128), (512, 512)] * 2  # one global scale per segment
+    stacked = [(512, 256), (256, 256), (1024, 256), (256, 512)] * 2
+    assert humming_copy_bytes(model, groups) == sum(cost(n, k) for n, k in stacked)
+    detach_humming_copies(model, groups)  # nothing held: a no-op
+
+
+def test_shapes_humming_does_not_tile_are_left_out():
+    config = qwen25_config("7B", hidden_size=192, intermediate_size=320, num_hidden_layers=1, num_attention_heads=3,
+                           num_key_value_heads=1, vocab_size=512, pad_token_id=0, bos_token_id=0, eos_token_id=1)
+    model = build_random_model(config, fp4=True, device="cpu", dtype=torch.float32)
+    # K = 192 is not a multiple of 128 (q, k, v, o, gate, up); down has K = 320: none fits
+    assert _operands(model, []) == [] and humming_copy_bytes(model) == 0
