@@ -84,6 +84,9 @@ def run_main(fn: Callable[[list[str] | None], None], argv: list[str] | None = No
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     use_available_cpus()
     try:
+        from qerl.quant.dispatch import check_kernel_environment
+
+        check_kernel_environment()
         with out_of_memory_names("this stage"):  # where no phase (rollout, update) named it more closely
             fn(argv)
     except QerlError as err:

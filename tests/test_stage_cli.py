@@ -105,3 +105,11 @@ def test_logging_steps_sends_the_mean_of_each_window_and_the_last_partial_one(ca
     assert [(s, m["reward"]) for s, m in logged] == [(3, 2.0), (6, 5.0), (7, 7.0)]
     assert logged[0][1]["aqn/sigma"] == 0.5  # a metric missing at a step averages over the steps that have it
     assert "step 3/7: reward 2" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["QERL_FP4_CUDA", "QERL_FP4_HUMMING", "QERL_PDL"])
+def test_a_bad_kernel_switch_is_one_line_before_the_stage_starts(capsys, monkeypatch, name):
+    ran = []
+    monkeypatch.setenv(name, "yes")
+    line = _fails(capsys, lambda argv: ran.append(argv), [])
+    assert name in line and "auto, 0 or 1" in line and not ran

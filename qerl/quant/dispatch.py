@@ -27,7 +27,7 @@ from qerl.quant.operands import check_operands, lora_adapter, segment_bounds
 from qerl.quant.reference import reference_fp4_lora_matmul, reference_fp4_matmul, reference_fp4_matmul_t
 
 __all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "HUMMING_MAX_ROWS", "HUMMING_MIN_ROWS", "KERNELS", "SMALL_MM_MAX_ROWS",
-           "TMA_DENSE_MIN_ROWS", "choose_kernel", "fp4_cuda_mode", "fp4_humming_mode", "fp4_lora_matmul", "fp4_matmul",
+           "TMA_DENSE_MIN_ROWS", "check_kernel_environment", "choose_kernel", "fp4_cuda_mode", "fp4_humming_mode", "fp4_lora_matmul", "fp4_matmul",
            "fp4_matmul_t", "pdl_mode", "run_fp4_matmul", "run_fp4_matmul_t", "small_matmul"]
 
 AUTO_ROWS = 8  # QERL_FP4_CUDA=auto: at 9-16 rows the two-tile CUDA kernel lost to Triton (BENCHMARKS.md)
@@ -52,6 +52,16 @@ def fp4_cuda_mode(environ=None) -> str:
 def fp4_humming_mode(environ=None) -> str:
     """QERL_FP4_HUMMING: "auto" (default), "1" or "0" (see choose_kernel)."""
     return auto_on_off("QERL_FP4_HUMMING", environ)
+
+
+def check_kernel_environment(environ=None) -> None:
+    """The kernel switches (QERL_FP4_CUDA, QERL_FP4_HUMMING, QERL_PDL) read at every launch, checked once before a
+    stage starts: a bad value is one line naming the variable, not a traceback from inside a forward."""
+    for name in ("QERL_FP4_CUDA", "QERL_FP4_HUMMING", "QERL_PDL"):
+        try:
+            auto_on_off(name, environ)
+        except ValueError as err:
+            raise QerlError(str(err)) from None
 
 
 def _fact(value) -> bool:
