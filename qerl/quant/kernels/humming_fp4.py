@@ -157,8 +157,7 @@ def copies_nbytes() -> int:
 def clear() -> None:
     """Drop every repacked copy (e.g. before a memory-hungry phase); the next humming call rebuilds its own."""
     for t in list(_live):
-        t.__dict__.pop(_ATTR, None)
-    _live.clear()
+        drop(t)
 
 
 def dequantize_humming(weight_packed, weight_scale, weight_global_scale, segments=None) -> torch.Tensor:
