@@ -42,3 +42,27 @@ def test_shapes_humming_does_not_tile_are_left_out():
     model = build_random_model(config, fp4=True, device="cpu", dtype=torch.float32)
     # K = 192 is not a multiple of 128 (q, k, v, o, gate, up); down has K = 320: none fits
     assert _operands(model, []) == [] and humming_copy_bytes(model) == 0
+
+
+def test_copies_are_tracked_by_identity_dropped_one_by_one_and_forgotten_with_their_tensor():
+    import gc
+
+    from qerl.quant.kernels import humming_fp4 as hf
+
+    class FakeCopy:
+        def nbytes(self):
+            return 7
+
+    hf.clear()
+    a, b, c = (torch.zeros(4, 8, dtype=torch.uint8) for _ in range(3))  # equal contents: == is elementwise
+    for t in (a, b, c):
+        t.__dict__[hf._ATTR] = FakeCopy()
+        hf._track(t)
+    assert hf.copies_nbytes() == 21
+    hf.drop(a)
+    assert not hf.has_copy(a) and hf.has_copy(b) and hf.copies_nbytes() == 14
+    del c, t  # the loop variable holds c too
+    gc.collect()
+    assert hf.copies_nbytes() == 7 and len(hf._live) == 1
+    hf.clear()
+    assert not hf.has_copy(b) and hf.copies_nbytes() == 0 and not hf._live

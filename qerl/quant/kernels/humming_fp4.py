@@ -98,7 +98,22 @@ class HummingWeight:
             weight_scale_2=t.get("weight_scale_2"), outputs=out, locks=self.locks)
 
 
-_live: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()  # packed tensors that carry a copy (for clear/bytes)
+# packed tensors that carry a copy (for clear/bytes), by id: a WeakSet compares tensors with ==, elementwise
+_live: dict[int, weakref.ref] = {}
+
+
+def _track(weight_packed: torch.Tensor) -> None:
+    key = id(weight_packed)
+
+    def forget(ref, key=key):
+        if _live.get(key) is ref:
+            del _live[key]
+
+    _live[key] = weakref.ref(weight_packed, forget)
+
+
+def _tracked() -> list[torch.Tensor]:
+    return [t for t in (ref() for ref in list(_live.values())) if t is not None]
 
 
 def humming_weight(weight_packed, weight_scale, weight_global_scale, segments=None,
@@ -116,7 +131,7 @@ def humming_weight(weight_packed, weight_scale, weight_global_scale, segments=No
         held.refresh_from(fresh)
         return held
     weight_packed.__dict__[_ATTR] = fresh
-    _live.add(weight_packed)
+    _track(weight_packed)
     return fresh
 
 
@@ -124,7 +139,7 @@ def refresh_stale() -> int:
     """Rebuild (in place) every copy whose operands were changed in place since it was built; returns how many.
     Engines call it before replaying captured graphs, which read the copies without asking humming_weight."""
     stale = 0
-    for t in list(_live):
+    for t in _tracked():
         held = t.__dict__.get(_ATTR)
         ops = [ref() for ref in held.operands] if held is not None else []
         if ops and None not in ops and HummingWeight._key(*ops, held.segments, held.dtype) != held.key:
@@ -146,17 +161,19 @@ def fits(weight_packed: torch.Tensor) -> bool:
 def drop(weight_packed: torch.Tensor) -> None:
     """Drop this packed weight's copy, if it holds one."""
     weight_packed.__dict__.pop(_ATTR, None)
-    _live.discard(weight_packed)
+    ref = _live.get(id(weight_packed))
+    if ref is not None and ref() is weight_packed:
+        del _live[id(weight_packed)]
 
 
 def copies_nbytes() -> int:
     """Bytes held by the repacked copies alive now."""
-    return sum(t.__dict__[_ATTR].nbytes() for t in list(_live) if _ATTR in t.__dict__)
+    return sum(t.__dict__[_ATTR].nbytes() for t in _tracked() if _ATTR in t.__dict__)
 
 
 def clear() -> None:
     """Drop every repacked copy (e.g. before a memory-hungry phase); the next humming call rebuilds its own."""
-    for t in list(_live):
+    for t in _tracked():
         drop(t)
 
 
