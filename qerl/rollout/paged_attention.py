@@ -19,6 +19,7 @@ CUDA-graph step, `PagedMeta.decode_only`) needs no host-side gathers at all: its
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -116,12 +117,27 @@ def _prefill_row(begin: int, start: int, end: int, slots: torch.Tensor, device) 
     return PrefillRow(begin, begin + end - start, slots, mask)
 
 
+_ACTIVE: list = []  # the step's PagedMeta when the forward runs inside paged_step(meta)
+
+
+@contextlib.contextmanager
+def paged_step(meta: PagedMeta):
+    """The step's meta for every attention layer without passing it through the model's kwargs: compiled decoder
+    layers (qerl.rollout.layer_compile) then never see a per-step Python object (dynamo would guard on it)."""
+    _ACTIVE.append(meta)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
 def paged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                     sliding_window=None, qerl_paged: PagedMeta | None = None, **kwargs):
     """query (1, H, T, D), key/value (1, Hkv, T, D) of the packed step -> ((1, T, H, D), None)."""
-    meta = qerl_paged
+    meta = qerl_paged if qerl_paged is not None else (_ACTIVE[-1] if _ACTIVE else None)
     if meta is None:
-        raise RuntimeError("qerl_paged attention: the forward needs the qerl_paged=PagedMeta kwarg (PagedEngine)")
+        raise RuntimeError("qerl_paged attention: the forward needs the qerl_paged=PagedMeta kwarg or paged_step(meta) "
+                           "(PagedEngine)")
     if dropout or sliding_window is not None or kwargs.get("s_aux") is not None or kwargs.get("softcap"):
         raise NotImplementedError("qerl_paged attention: no dropout, sliding window, sinks or softcap")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -203,4 +219,6 @@ def _prefill_reference(q, k_cache, v_cache, row: PrefillRow, scale: float) -> to
     return out[0].transpose(0, 1).to(q.dtype)
 
 
-AttentionInterface.register(NAME, paged_attention)
+# eager under torch.compile: its kernels are custom ops, and tracing it would bake each layer's pool index into the
+# compiled code of a layer that all layers share (qerl.rollout.layer_compile)
+AttentionInterface.register(NAME, torch.compiler.disable(paged_attention))

@@ -14,6 +14,7 @@ beyond floating-point rounding. Log-probs are log_softmax(logits / T) over the f
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -31,7 +32,8 @@ from qerl.rollout.kv_pool import BlockAllocator, KVPool, expandable_segments, fr
 from qerl.rollout.lora_shadows import lora_in_dtype
 from qerl.rollout.model_state import compile_options, compute_dtype, eos_ids, inference_mode, model_signature
 from qerl.rollout.paged_attention import NAME, PagedMeta, triton_paged
-from qerl.rollout.paged_graphs import DecodeGraphs, decode_forward
+from qerl.rollout.layer_compile import LayerCompile
+from qerl.rollout.paged_graphs import DecodeGraphs, compiled_decode_forward
 from qerl.rollout.sampling import row_uniforms, sample_tokens, sampling_key
 from qerl.rollout.scheduler import Scheduler, blocks_for, check_fits
 
@@ -242,11 +244,13 @@ class PagedEngine(RolloutEngine):
         return self._graphs
 
     def _decode_forward(self, graphed: bool):
-        """The bucketed step's forward: compiled (one dynamic-shape graph for every bucket) unless turned off."""
+        """The bucketed step's forward: its decoder layers compiled (qerl.rollout.layer_compile: one dynamic-shape
+        compile that every layer and bucket reuses) unless turned off."""
         if not (self.compile is True or (self.compile == "auto" and graphed)):
             return None
         if self._compiled is None:
-            self._compiled = torch.compile(decode_forward, dynamic=True, options=compile_options(self.device))
+            layers = LayerCompile(self.model, compile_options(self.device))
+            self._compiled = functools.partial(compiled_decode_forward, layers) if layers else None
         return self._compiled
 
     def _step(self, sched: Scheduler, pool: KVPool, sampling: SamplingParams, uniforms, graphs) -> tuple[int, bool]:

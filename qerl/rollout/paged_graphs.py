@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from qerl.rollout.paged_attention import PagedMeta
+from qerl.rollout.paged_attention import PagedMeta, paged_step
 from qerl.rollout.sampling import sample_tokens
 
 
@@ -150,6 +150,13 @@ class DecodeGraphs:
 
 def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor, meta: PagedMeta) -> torch.Tensor:
     """Float32 logits (rows, vocab) of a packed step of one token per row."""
-    out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=None, use_cache=False,
-                qerl_paged=meta, logits_to_keep=0)
+    with paged_step(meta):
+        out = model(input_ids=ids[None], position_ids=positions[None], attention_mask=None, use_cache=False,
+                    logits_to_keep=0)
     return out.logits[0].float()
+
+
+def compiled_decode_forward(layers, model, ids: torch.Tensor, positions: torch.Tensor, meta: PagedMeta):
+    """decode_forward with the decoder layers' compiled calls (a qerl.rollout.layer_compile.LayerCompile)."""
+    with layers.active():
+        return decode_forward(model, ids, positions, meta)
