@@ -6,7 +6,7 @@ kernels inside the graph by kind, and the floor (weights + live KV over the meas
 
 For each mode (the trainer's random model: FP4 or bf16 + LoRA r of the recipe) and each row count R, R prompts of
 --prompt-len tokens decode --tokens tokens each (no row ends early: every decode step has R rows) through the
-recipe's paged engine and sampling, twice: the first call compiles and captures the bucket, the second is timed
+recipe's paged engine and sampling, three times: two calls compile and capture the buckets, the third is timed
 (the engine's own per-step clock, host included). Then the bucket's captured graph is replayed alone (CUDA events:
 the GPU's time per step) and once under torch.profiler (kernels per step, grouped by kind). host = wall - GPU: the
 part of a step the GPU waits for the host (staging, scheduler, the device-to-host read of the sampled tokens).
@@ -139,7 +139,8 @@ def run_mode(args, mode: str, train_cfg, size: str, bandwidth: float) -> list[di
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_tokens=args.tokens, seed=args.seed)
         start = time.perf_counter()
-        engine.generate(prompts, n=1, sampling=sampling)  # compiles and captures this bucket
+        engine.generate(prompts, n=1, sampling=sampling)  # compiles this bucket's step and runs it eagerly
+        engine.generate(prompts, n=1, sampling=sampling)  # captures it (and the buckets a call meets once)
         warm_s = time.perf_counter() - start
         torch.cuda.synchronize()
         key = engine._graphs.key if engine._graphs is not None else None

@@ -207,6 +207,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   humming_gib=stats.get("humming_bytes", 0) / 2**30,
                   humming_build_s=stats.get("humming_check_build_s", 0.0),
                   num_blocks=stats.get("num_blocks"), graph_captures_timed=stats.get("graph_captures"),
+                  graph_build_s=stats.get("graph_build_s"),
                   floor_bytes=floor, bytes_floor_s=floor / bandwidth, floor_s=floor_s,
                   floor_pct=100 * floor_s / rollout_s,
                   **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_"))},
@@ -242,8 +243,11 @@ def _later_step(args, trainer, engine, rows: int, cap: int, i: int) -> dict:
     engine.sleep()
     metrics = trainer.update(batch, 1 + i)
     _sync(args.device)
+    stats = engine.last_stats
     return {"useful_tokens": sum(engine.lengths), "rollout_s": batch.metrics["timing/rollout"],
-            "update_s": metrics["timing/update"], "step_s": time.perf_counter() - t}
+            "update_s": metrics["timing/update"], "step_s": time.perf_counter() - t,
+            "graph_captures": stats.get("graph_captures"), "graph_build_s": stats.get("graph_build_s"),
+            **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_"))}}
 
 
 def _compile_counts() -> dict:

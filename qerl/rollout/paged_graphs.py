@@ -16,6 +16,7 @@ The host fills pinned staging buffers and copies them with three H2D copies, and
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 
 import torch
@@ -58,7 +59,7 @@ class DecodeGraphs:
         self.eager_runs: dict[int, int] = {}
         self.mempool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         self.capture_ok = dev.type == "cuda"
-        self.stats = {"graph_captures": 0, "graph_replays": 0, "graph_eager_steps": 0}
+        self.stats = {"graph_captures": 0, "graph_replays": 0, "graph_eager_steps": 0, "graph_build_s": 0.0}
 
     @property
     def width(self) -> int:
@@ -76,10 +77,13 @@ class DecodeGraphs:
         if size in self.graphs:
             self.graphs[size].replay()
             self.stats["graph_replays"] += 1
-        elif self.eager_runs.get(size, 0) == 0 or not self.capture_ok:
-            self._eager(size)
-        else:
-            self._capture(size)
+        else:  # host seconds of steps that compile, warm up or capture (no device sync: launch-side cost)
+            start = time.perf_counter()
+            if self.eager_runs.get(size, 0) == 0 or not self.capture_ok:
+                self._eager(size)
+            else:
+                self._capture(size)
+            self.stats["graph_build_s"] += time.perf_counter() - start
         out = self.out[:, :b].cpu()
         return out[0].long().tolist(), out[1].tolist()
 
