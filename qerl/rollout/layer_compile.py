@@ -11,7 +11,8 @@ SiLU(gate) * up, LoRA's scaling and add). The paged attention call stays eager b
 (qerl.rollout.paged_attention disables dynamo there): its kernels are custom ops anyway, and tracing it would bake
 each layer's index into the code (28 recompiles). Only the engine's eager warm-up and capture steps run Python;
 replays of the captured graphs run the compiled kernels without it. Nothing is changed outside `active()`: the
-training forward never sees the compiled calls.
+training forward never sees the compiled calls. Meanwhile the training-only forward swaps (qerl.fused_elementwise,
+qerl.tiled_mlp: per-instance objects that dynamo would guard on one by one) step aside.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import contextlib
 
 import torch
 from torch import nn
+
+from qerl.forward_swap import class_forwards
 
 BACKEND = "inductor"  # tests on CPU use "aot_eager" (no C++ toolchain needed)
 _RECOMPILE_LIMIT = 64  # the layers, the final norm and their resume frames share nn.Module._call_impl's cache
@@ -55,7 +58,8 @@ class LayerCompile:
         for layer, call in zip(self.layers, self.calls):
             layer._compiled_call_impl = call
         try:
-            with torch._dynamo.config.patch(**{limit: max(_RECOMPILE_LIMIT, getattr(torch._dynamo.config, limit))}):
+            with torch._dynamo.config.patch(**{limit: max(_RECOMPILE_LIMIT, getattr(torch._dynamo.config, limit))}), \
+                    class_forwards([m for layer in self.layers for m in layer.modules()]):
                 yield
         finally:
             for layer in self.layers:

@@ -44,14 +44,22 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature,trainer_swaps", [(0.0, False), (1.0, True)])
 def test_compiled_layers_give_the_eager_rows_and_one_compile_serves_every_layer(
-        tiny_model_dir, model_and_tok, monkeypatch, temperature):
+        tiny_model_dir, model_and_tok, monkeypatch, temperature, trainer_swaps):
+    """trainer_swaps: the trainer's per-instance forwards of every norm and MLP (fused_elementwise, tiled_mlp) are
+    on, as in a training run's rollouts: they must not cost one compile per layer either."""
+    from qerl.fused_elementwise import fuse_elementwise
+    from qerl.tiled_mlp import tile_mlps
+
     tok = model_and_tok[1]
     sampling = SamplingParams(temperature=temperature, max_tokens=9, seed=3)
     counts = {}
     for layers in (2, 5):
         model = tiny_model(tiny_model_dir, layers)
+        if trainer_swaps:
+            swapped = [tile_mlps(model, 2), fuse_elementwise(model)]
+            assert all(swapped)
         ref, _ = run(model, tok, False, sampling)
         backend, graphs = counting_backend()  # a new backend: dynamo's cache entries are per backend
         monkeypatch.setattr(layer_compile, "BACKEND", backend)
@@ -61,6 +69,7 @@ def test_compiled_layers_give_the_eager_rows_and_one_compile_serves_every_layer(
             assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-9)
         assert engine._compiled is not None and out.stats["graph_eager_steps"] > 0  # the compiled path ran
         assert all(m._compiled_call_impl is None for m in model.modules())  # nothing left on after the call
+        assert sum("forward" in vars(m) for m in model.modules()) == (3 * layers + 1 if trainer_swaps else 0)
         counts[layers] = len(graphs)
     assert counts[2] > 0 and counts[2] == counts[5]  # compiled once per code path, not per layer
 
