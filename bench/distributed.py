@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench.common import add_workload_args, sync
 
 CASES = {"fp4-lora-x1": ("fp4", 1), "fp4-lora-x2": ("fp4", 2), "full-x2": ("full", 2)}
 
@@ -46,14 +47,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     p.add_argument("--size", default="7B", help="7B | 14B | 32B | tiny (CPU smoke runs)")
     p.add_argument("--prompts", type=int, default=32, help="prompts per step (the global batch)")
-    # not --n: torchrun reads an option abbreviating its own (--nnodes, --nproc-per-node) anywhere on its line
-    p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
-    p.add_argument("--prompt-len", type=int, default=128)
+    add_workload_args(p, prompt_len=128, micro_batch=16)
     p.add_argument("--max-tokens", type=int, default=1024, help="max_completion_length, the lengths' cap")
-    p.add_argument("--median", type=float, default=400.0, help="median completion length of the log-normal")
-    p.add_argument("--sigma", type=float, default=0.6, help="sigma of log(length)")
-    p.add_argument("--micro-batch", type=int, default=16, help="rows per forward/backward")
-    p.add_argument("--lora-r", type=int, default=32)
     p.add_argument("--warmup-tokens", type=int, default=32, help="the untimed step's rows end after this many")
     p.add_argument("--compile", default="off", choices=("off", "auto"),
                    help="torch.compile the decode step (off: eager steps in CUDA graphs, as bench.grpo_step)")
@@ -110,11 +105,6 @@ def _trainer(args, mode: str, ranks, tokenizer, prompts):
     return trainer
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _peak_gib(reset: bool = True) -> float:
     if not torch.cuda.is_available():
         return 0.0
@@ -130,16 +120,16 @@ def _step(trainer, step: int, lengths: list[int]) -> dict:
     rows = trainer.ranks.share(len(lengths), "rows")
     trainer.engine.lengths = lengths[rows]
     trainer.ranks.barrier()
-    _sync()
+    sync()
     _peak_gib()
     start = time.perf_counter()
     batch = trainer.rollout(step)
     pool = trainer.engine.stats.get("kv_bytes", 0) / 2**30
     trainer.engine.sleep()
-    _sync()
+    sync()
     rollout_peak = _peak_gib()
     metrics = trainer.update(batch, step)
-    _sync()
+    sync()
     seconds = time.perf_counter() - start
     mine = torch.tensor([[seconds, rollout_peak, pool, _peak_gib(reset=False)]], dtype=torch.float64)
     ranks = trainer.ranks.all_gather(mine)

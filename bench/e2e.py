@@ -34,10 +34,7 @@ from bench.gpu_lock import GpuLock
 from bench.e2e_report import add_floors, markdown
 from bench.kernels import write_json
 from qerl.errors import QerlError
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+from bench.common import add_workload_args, ints
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -51,15 +48,12 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--memory", default="7B:fp4,14B:fp4,32B:fp4,7B:bf16",
                    help="size:mode[:micro_batch[:offload[:mlp_chunks]]] list for (d) (offload: the word 'offload' "
                         "or empty; mlp_chunks: default --mlp-chunks)")
-    p.add_argument("--batches", type=_ints, default=[8, 64], help="rollout rows for (b)")
+    p.add_argument("--batches", type=ints, default=[8, 64], help="rollout rows for (b)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per GRPO step")
-    p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
-    p.add_argument("--prompt-len", type=int, default=256)
+    add_workload_args(p, prompt_len=256, micro_batch=8, lengths=False)
     p.add_argument("--new-tokens", type=int, default=1024, help="generated tokens per row in (b)")
     p.add_argument("--step-completion", type=int, default=2048, help="completion tokens of the (c) step")
     p.add_argument("--memory-completion", type=int, default=2048, help="completion tokens in (d)")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--lora-r", type=int, default=32)
     p.add_argument("--hf-tokens", type=int, default=64, help="new tokens of the HF generate baseline (0: skip)")
     p.add_argument("--memory-jobs", type=int, default=1, help="memory workers run at once (peaks are per process)")
     p.add_argument("--timeout-s", type=float, default=300, help="per worker subprocess")

@@ -20,11 +20,7 @@ import torch
 
 from bench.gpu_lock import GpuLock
 from bench.random_models import attach_lora, build_random_model, decode_weight_bytes, qwen25_config
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from bench.common import sync
 
 
 def device_and_dtype(device: str) -> tuple[str, torch.dtype]:
@@ -81,10 +77,10 @@ def _timed_generate(engine, prompts, n: int, new_tokens: int, seed: int) -> dict
     from qerl.rollout import SamplingParams
 
     sampling = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=seed)
-    _sync()
+    sync()
     start = time.perf_counter()
     out = engine.generate(prompts, n=n, sampling=sampling)
-    _sync()
+    sync()
     seconds = time.perf_counter() - start
     return {"rows": len(out.completion_ids), "seconds": seconds, "tokens": out.num_tokens,
             "tokens_per_s": out.num_tokens / seconds, "decode_calls": out.stats.get("decode_calls"),
@@ -104,11 +100,11 @@ def _rollout_rows(engine, prompts, batch: int, new_tokens: int, seed: int, lock:
 
     chosen, n = _batch_of(prompts, batch)
     with lock.shared():
-        _sync()
+        sync()
         start = time.perf_counter()
         warm = engine.warm_up(chosen, n=n, sampling=SamplingParams(temperature=1.0, max_tokens=new_tokens,
                                                                     seed=seed))
-        _sync()
+        sync()
         warm_seconds = time.perf_counter() - start
     captures = engine.stats["graph_captures"]
     with lock.exclusive():
@@ -187,7 +183,7 @@ def _grpo_step(trainer, prompts, lock: GpuLock, profile_update: bool = False) ->
         warm = trainer.engine.warm_up(prompts, n=cfg.num_generations, sampling=trainer.sampling(1))
         trainer.update(random_batch(cfg.micro_batch_size, len(prompts[0]), cfg.max_completion_length, device,
                                     cfg.seed), 0)
-        _sync()
+        sync()
     captures = trainer.engine.stats["graph_captures"]
     with lock.exclusive():
         if torch.cuda.is_available():
@@ -196,7 +192,7 @@ def _grpo_step(trainer, prompts, lock: GpuLock, profile_update: bool = False) ->
         start = time.perf_counter()
         batch = trainer.rollout(1)
         metrics = trainer.update(batch, 1)
-        _sync()
+        sync()
         step = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     result = {"rows": batch.input_ids.shape[0], "prompt_len": batch.input_ids.shape[1] - batch.completion_len,
@@ -211,7 +207,7 @@ def _grpo_step(trainer, prompts, lock: GpuLock, profile_update: bool = False) ->
             counts = _allocator_counts()
             with _kernel_profile() as prof:
                 seconds = trainer.update(batch, 2)["timing/update"]
-                _sync()
+                sync()
         table = _kernel_table(prof, 1, "update", top=60)
         result["update_profile"] = {
             "rows": batch.input_ids.shape[0], "tokens": int(batch.attention_mask.sum()), "seconds_profiled": seconds,
@@ -226,12 +222,12 @@ def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> dict:
     model.eval()
     try:
         with torch.inference_mode():
-            _sync()
+            sync()
             start = time.perf_counter()
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                  temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, pad_token_id=pad_id)
-            _sync()
+            sync()
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - start
@@ -320,7 +316,7 @@ def _memory_peaks(args, mode: str, size: str, micro_batch: int | None, offload: 
     for step in range(2):  # the first update creates AdamW's moments; the second is the steady state
         start = time.perf_counter()
         metrics = trainer.update(batch, step)
-        _sync()
+        sync()
         updates.append({"seconds": time.perf_counter() - start, "loss": metrics["loss"],
                         "peak_bytes": torch.cuda.max_memory_allocated() if on_cuda else None})
         if on_cuda:

@@ -35,6 +35,7 @@ import torch
 
 from bench.paged import ForcedLengthEngine, build_lora_model, draw_lengths, warmup_lengths
 from bench.random_models import decode_weight_bytes
+from bench.common import sync
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -143,11 +144,6 @@ class _Recording(ForcedLengthEngine):
         return out
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidth: float,
              matmul_rate: float) -> dict:
     from transformers import AutoTokenizer
@@ -174,7 +170,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     if not args.rollout_only:
         trainer.update(random_batch(cfg.micro_batch_size, args.prompt_len, cfg.max_completion_length,
                                     args.device, cfg.seed), 0)
-    _sync(args.device)
+    sync(args.device)
     warm_s = time.perf_counter() - t
     print(f"{mode}: built and warmed up in {warm_s:.1f} s; timing the step", flush=True)  # a call cut short says where
     warm_peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0  # a full-length micro-batch
@@ -189,7 +185,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     compiles_before = _compile_counts()
     metrics = ({"timing/update": None, "loss": None, "grad_norm": None} if args.rollout_only
                else trainer.update(batch, 1))
-    _sync(args.device)
+    sync(args.device)
     step_s = time.perf_counter() - t
     compiles = {k: v - compiles_before.get(k, 0) for k, v in _compile_counts().items()}
     stats = engine.last_stats  # the timed rollout's (dense_copy_bytes among them)
@@ -237,12 +233,12 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
 def _later_step(args, trainer, engine, rows: int, cap: int, i: int) -> dict:
     """One more timed step on fresh length draws (seed + i)."""
     engine.lengths = draw_lengths(rows, args.median, args.sigma, cap, args.seed + i)
-    _sync(args.device)
+    sync(args.device)
     t = time.perf_counter()
     batch = trainer.rollout(1 + i)
     engine.sleep()
     metrics = trainer.update(batch, 1 + i)
-    _sync(args.device)
+    sync(args.device)
     stats = engine.last_stats
     return {"useful_tokens": sum(engine.lengths), "rollout_s": batch.metrics["timing/rollout"],
             "update_s": metrics["timing/update"], "step_s": time.perf_counter() - t,
@@ -262,10 +258,10 @@ def _compile_counts() -> dict:
 
 
 def _timed_update(trainer, batch, device: str) -> float:
-    _sync(device)
+    sync(device)
     t = time.perf_counter()
     trainer.update(batch, 2)
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t
 
 
@@ -275,12 +271,12 @@ def _profile_update(trainer, batch, micro_batch_size: int, device: str) -> dict:
     from bench.e2e_workers import _allocator_counts, _kernel_profile, _kernel_table
 
     micro_batches = max(1, -(-int(batch.input_ids.shape[0]) // micro_batch_size))
-    _sync(device)
+    sync(device)
     t = time.perf_counter()
     allocs = _allocator_counts()
     with _kernel_profile() as prof:
         trainer.update(batch, 2)
-        _sync(device)
+        sync(device)
     wall = time.perf_counter() - t
     allocs = {k: v - allocs[k] for k, v in _allocator_counts().items()}
     table = _kernel_table(prof, micro_batches, "micro_batch", top=25)

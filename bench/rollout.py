@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from qerl.errors import QerlError
+from bench.common import sync
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -99,16 +100,11 @@ def _hf_runner(model, tok, args):
 
 
 def _timed(run, prompts, new_tokens: int) -> tuple[float, int]:
-    _sync()
+    sync()
     start = time.perf_counter()
     tokens = run(prompts, new_tokens)
-    _sync()
+    sync()
     return time.perf_counter() - start, tokens
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _measure(model, tok, prompts, args) -> list[dict]:

@@ -37,12 +37,9 @@ import torch
 from bench.kernels import write_json
 from bench.table3_worker import LOST, METHODS, measure, part_names
 from qerl.errors import QerlError
+from bench.common import add_workload_args, ints
 
 MODE_METHODS = {"lora": "lora", "qlora_nf4": "qlora", "qlora_fp4": "qerl"}  # train.mode -> Table 3 method
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -59,16 +56,11 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", help="default: <config results_dir>/bench, or results/bench")
     p.add_argument("--tokenizer", default="../shared/tokenizers/qwen2.5", help="the Qwen2.5 tokenizer (random weights)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--rollout-batches", type=_ints, default=[2, 8], help="rows of the rollout figure")
-    p.add_argument("--e2e-batches", type=_ints, default=[2, 4, 8], help="prompts per GRPO step")
-    p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
-    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--rollout-batches", type=ints, default=[2, 8], help="rows of the rollout figure")
+    p.add_argument("--e2e-batches", type=ints, default=[2, 4, 8], help="prompts per GRPO step")
+    add_workload_args(p, prompt_len=256, micro_batch=8, lora_help="LoRA rank (alpha = 2 r); an experiment's own wins")
     p.add_argument("--max-completion", type=int, default=2048, help="completion cap (max_tokens)")
-    p.add_argument("--median", type=float, default=400.0, help="median completion length of the log-normal")
-    p.add_argument("--sigma", type=float, default=0.6, help="sigma of log(length)")
     p.add_argument("--steps", type=int, default=2, help="timed GRPO steps per batch, after the warm-up")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--lora-r", type=int, default=32, help="LoRA rank (alpha = 2 r); an experiment's own wins")
     p.add_argument("--compile", choices=["auto", "off"], default="off", help="torch.compile of the decode step")
     p.add_argument("--jobs", type=int, default=1, help="experiments measured at once (processes)")
     p.add_argument("--budget-s", type=float, default=None, help="workers still running then are stopped")

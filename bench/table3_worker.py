@@ -23,6 +23,7 @@ import torch
 from bench.e2e_workers import _random_reward, device_and_dtype, random_batch, random_prompts
 from bench.gpu_lock import GpuLock
 from bench.random_models import LINEAR_TARGETS, attach_lora, build_random_model, qwen25_config
+from bench.common import sync
 
 # method -> (train.mode, base weight format); the paper's Table 3 rows
 METHODS = {"lora": ("lora", "bf16"), "qlora": ("qlora_nf4", "nf4"), "qerl": ("qlora_fp4", "nvfp4")}
@@ -34,11 +35,6 @@ SHAPES_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36
 
 def model_config(size: str):
     return qwen25_config("7B", **SHAPES_3B) if size == "3B" else qwen25_config(size)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def draw_lengths(rows: int, median: float, sigma: float, cap: int, seed: tuple[int, ...]) -> list[int]:
@@ -153,13 +149,13 @@ def _rollout(engine, tokenizer, rows: int, args, lock: GpuLock) -> dict:
     sampling = SamplingParams(temperature=1.0, max_tokens=args.max_completion, seed=args.seed)
     with lock.shared():
         warm = engine.warm_up(prompts, n=1, sampling=sampling)
-        _sync()
+        sync()
     captures = engine.stats["graph_captures"]
     with lock.exclusive():
-        _sync()
+        sync()
         start = time.perf_counter()
         out = engine.generate(prompts, n=1, sampling=sampling)
-        _sync()
+        sync()
         seconds = time.perf_counter() - start
     lengths = [len(c) for c in out.completion_ids]
     return {"rows": rows, "tokens": sum(lengths), "seconds": seconds, "tokens_per_s": sum(lengths) / seconds,
@@ -176,17 +172,17 @@ def _e2e(trainer, batch: int, args, lock: GpuLock, first_step: int) -> dict:
         warm = trainer.engine.warm_up(prompts, n=cfg.num_generations, sampling=trainer.sampling(first_step))
         trainer.update(random_batch(min(cfg.micro_batch_size, batch * cfg.num_generations), args.prompt_len,
                                     args.max_completion, device, args.seed), first_step)
-        _sync()
+        sync()
     steps = []
     for step in range(first_step, first_step + args.steps):
         captures = trainer.engine.stats["graph_captures"]
         with lock.exclusive():
-            _sync()
+            sync()
             start = time.perf_counter()
             data = trainer.rollout(step)
             trainer.engine.sleep()
             metrics = trainer.update(data, step)
-            _sync()
+            sync()
             seconds = time.perf_counter() - start
         steps.append({"step_seconds": seconds, "rollout_seconds": data.metrics["timing/rollout"],
                       "update_seconds": metrics["timing/update"], "rows": data.input_ids.shape[0],
