@@ -234,7 +234,7 @@ def test_hostile_megabyte_is_graded_quickly(tokenizer, monkeypatch, text):
     assert grade("\\boxed{7}", "7", "math")  # math-verify's one-time imports stay out of the timing
     t0 = time.monotonic()
     summary, problems = _evaluate_texts(monkeypatch, tokenizer, [text], RECORDS[:1])
-    assert time.monotonic() - t0 < 2.0  # the lazy tag regex took minutes on these
+    assert time.monotonic() - t0 < 8.0  # ~0.1 s; the lazy tag regex took minutes on these
     assert summary["n_samples"] == 1 and problems[0]["samples"][0]["text"] is text
 
 
@@ -245,7 +245,7 @@ def test_timed_out_samples_are_wrong_and_counted(tokenizer, monkeypatch, tmp_pat
     t0 = time.monotonic()
     summary, problems = _evaluate_texts(monkeypatch, tokenizer, ["<answer>4</answer>"] * 4, RECORDS[:2],
                                         grading_timeout_s=0.2)
-    assert time.monotonic() - t0 < 4 * 0.2 + 3.0
+    assert time.monotonic() - t0 < 4 * 0.2 + 10.0  # not waiting out the samples' 4 x 30 s
     assert summary["grading_timeouts"] == 4 and summary["accuracy"] == 0.0
     assert all(s["grading_timed_out"] and not s["correct"] for p in problems for s in p["samples"])
     doc = {"experiment": "demo", "model": {"path": "m"}, "created": "2025-01-01T00:00:00+00:00",

@@ -203,9 +203,9 @@ def test_linear_extraction_matches_the_regex_semantics():
 
 def test_text_macro_spaces_are_dropped_in_linear_time():
     assert parse_number("\\text{ \t5}") == 5 and parse_number("\\text{5 }") == 5 and parse_number("\\text{ }5") == 5
-    t0 = time.monotonic()
+    t0 = time.process_time()  # CPU time: a busy machine does not slow it, backtracking does
     assert parse_number("\\text{" + " " * 50_000 + "{") is None
-    assert time.monotonic() - t0 < 2.0  # \s*([^{}]*) backtracked: ~25 s
+    assert time.process_time() - t0 < 2.0  # \s*([^{}]*) backtracked: ~25 s
 
 
 # ------------------------------------------------------------------ hostile text: linear, then bounded
@@ -229,11 +229,11 @@ def warm_grader():
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_extraction_and_format_are_linear_on_a_hostile_megabyte(name):
     text = HOSTILE[name]
-    t0 = time.monotonic()
+    t0 = time.process_time()  # CPU time: a busy machine does not slow it, backtracking does
     for kind in ("math", "numeric"):
         extract_answer(text, kind)
     format_reward([text]), format_reward([text], style="answer_line")
-    assert time.monotonic() - t0 < 2.0  # ~0.05 s; the regexes took minutes on these
+    assert time.process_time() - t0 < 2.0  # ~0.05 s; the regexes took minutes on these
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
@@ -242,11 +242,11 @@ def test_hostile_megabyte_is_graded_quickly(name, warm_grader):
     stats = GradingStats()
     rewards = (correctness_reward([text], ["7"], kind="math", stats=stats)
                + format_reward([text]) + format_reward([text], style="answer_line"))
-    assert time.monotonic() - t0 < 2.0  # at most the 1 s limit plus linear scans
+    assert time.monotonic() - t0 < 8.0  # the 1 s limit plus linear scans (~1 s); unbounded took minutes
     assert len(rewards) == 3 and stats.graded == 1
     t0 = time.monotonic()
     correctness_reward([text], ["7"], kind="gsm8k", timeout_s=0.5)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 8.0
 
 
 @pytest.mark.parametrize("response,gold,kind", [
@@ -260,7 +260,7 @@ def test_normal_answers_grade_as_before_with_nothing_counted(response, gold, kin
 
 # ------------------------------------------------------------------ time limit around the whole grade
 PATHOLOGICAL = "\\boxed{9^{9^{9^{9^{9^{9}}}}}} "
-SLACK_S = 1.5  # generous for a loaded 2-core CI machine; every overrun here would take 30 s
+SLACK_S = 5.0  # room for a loaded 2-core CI machine (forking a worker, sympy imports); every overrun would take 30 s
 
 
 def _sleep(*args, **kw):

@@ -62,7 +62,7 @@ def test_unreachable_server_fails_fast(monkeypatch):
     t0 = time.time()
     with pytest.raises(QerlError, match="unreachable"):
         tracking.check_tracking_server("http://127.0.0.1:9", timeout=2)
-    assert time.time() - t0 < 5
+    assert time.time() - t0 < 15  # a refused port answers at once; mlflow's own retries would take minutes
 
 
 def test_env_uri_overrides_default(monkeypatch, tmp_path):
