@@ -156,9 +156,13 @@ class GRPOTrainer:
         rewards = self._weighted_total(table[:, :-2])
         adv = group_advantages(rewards, g, self.cfg.scale_rewards)[groups.start * g:groups.stop * g]
         batch = self.collate(out, adv)
+        # the decode steps' compile, warm-up and capture inside that rollout (the paged engine's graphs)
+        graphs = {"timing/rollout_graph_build": float(out.stats["graph_build_s"])} if "graph_build_s" in out.stats \
+            else {}
         metrics = self.ranks.reduce_metrics({"rewards/grading_timeouts": float(timeouts), "timing/rollout": t_rollout,
-                                             **noise_stats},
-                                            sums=("rewards/grading_timeouts",), maxima=("timing/rollout",))
+                                             **graphs, **noise_stats},
+                                            sums=("rewards/grading_timeouts",),
+                                            maxima=("timing/rollout", *graphs))
         metrics.update(self._reward_metrics(table, rewards), **{"aqn/sigma": sigma, "aqn/stage": stage})
         batch.metrics = metrics
         return batch

@@ -16,6 +16,7 @@ The host fills pinned staging buffers and copies them with three H2D copies, and
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 
@@ -23,6 +24,9 @@ import torch
 
 from qerl.rollout.paged_attention import PagedMeta, paged_step
 from qerl.rollout.sampling import sample_tokens
+
+log = logging.getLogger("qerl.rollout.paged")
+_SLOW_BUILD_S = 1.0  # a build step slower than this is logged: it compiled something (the layers' code, kernels)
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
@@ -83,7 +87,12 @@ class DecodeGraphs:
                 self._eager(size)
             else:
                 self._capture(size)
-            self.stats["graph_build_s"] += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.stats["graph_build_s"] += seconds
+            if seconds > _SLOW_BUILD_S:
+                log.info("rollout: the decode step of %d rows %s in %.1f s (first use: torch.compile of the decoder "
+                         "layers, Triton/humming kernels)", size, "ran eagerly" if size not in self.graphs
+                         else "was captured", seconds)
         out = self.out[:, :b].cpu()
         return out[0].long().tolist(), out[1].tolist()
 
