@@ -99,5 +99,6 @@ def load_benchmark(name: str, data_dir: str | Path | None = None,
     resolved = resolve_benchmark(name, data_dir)
     records = load_records(resolved.source, split=resolved.split, config_name=resolved.config_name,
                            question_field=resolved.spec.question_field,
-                           answer_field=resolved.spec.answer_field, limit=limit)
+                           answer_field=resolved.spec.answer_field, limit=limit,
+                           answer_kind=resolved.spec.kind)
     return resolved.spec, records

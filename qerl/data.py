@@ -171,9 +171,23 @@ def _pick_field(rows: Rows, given: str | None, candidates: Iterable[str], role: 
 
 
 def _question_str(value: Any, field: str, loc: str) -> str:
+    from qerl.grading import control_char
+
     if not isinstance(value, str) or not value.strip():
         raise QerlError(f"{loc}: question field {field!r} must be a non-empty string, got {_json_kind(value)}")
+    if (bad := control_char(value)) is not None:
+        raise QerlError(f"{loc}: question field {field!r} holds {bad}; a prompt is text")
     return value
+
+
+def _check_gold(answer: str, field: str, loc: str, kind: str) -> None:
+    """The grader's refusal of a gold (qerl.grading.gold_problem), raised now with the record, not hours into a run."""
+    from qerl.grading import gold_problem
+
+    problem = gold_problem(answer, kind)
+    if problem is not None:
+        shown = answer if len(answer) <= 60 else f"...{answer[-50:]}"
+        raise QerlError(f"{loc}: answer field {field!r} {shown!r} cannot be graded as {kind!r}: the gold {problem}")
 
 
 def _answer_str(value: Any, field: str, loc: str) -> str:
@@ -199,13 +213,16 @@ def _record(loc: str, row: dict, i: int, fields: tuple[str, str, str | None]) ->
 
 def load_records(source: str | Path, *, split: str = "train", question_field: str | None = None,
                  answer_field: str | None = None, config_name: str | None = None,
-                 limit: int | None = None) -> list[dict]:
+                 limit: int | None = None, answer_kind: str | None = None) -> list[dict]:
     """[{id, question, answer}] from a local file/directory or a hub dataset; records with an empty answer dropped.
 
     Valid values: a question is a non-empty string; an answer is a string or a finite int/float (AIME/AMC store
     numbers; 27.0 becomes "27"), and a null or blank answer marks an unanswered record, dropped with a warning.
     Booleans, lists, objects and NaN/inf are rejected, since their str() is never a gold answer. Any bad file,
-    line or value raises one QerlError naming the file (and line for JSONL).
+    line or value raises one QerlError naming the file (and line for JSONL). A question holding a control character
+    (NUL...) is refused; with `answer_kind` (a grading kind) so is every gold the grader could not use
+    (qerl.grading.gold_problem: "twelve" or "12\\0" where a number is due, a 5,000-digit number), so a bad record
+    fails the stage at load, before any model, and not inside grading hours into a run.
     """
     rows, where = _read_source(source, split, config_name)
     if not rows:
@@ -219,6 +236,8 @@ def load_records(source: str | Path, *, split: str = "train", question_field: st
         if not record["answer"]:
             n_empty += 1
             continue
+        if answer_kind is not None:
+            _check_gold(record["answer"], a_field, loc, answer_kind)
         records.append(record)
         if limit is not None and len(records) >= limit:
             break

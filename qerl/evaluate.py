@@ -28,7 +28,11 @@ log = logging.getLogger("qerl.evaluate")
 
 def model_dir(ref: str | Path, revision: str | None = None, what: str = "model") -> Path:
     """The checked local directory of a model reference (a directory, or a hub name fetched at revision)."""
-    return check_checkpoint(resolve_model(str(ref), revision, what=what), what)
+    from qerl.checkpoint_guard import check_config_matches_weights
+
+    path = check_checkpoint(resolve_model(str(ref), revision, what=what), what)
+    check_config_matches_weights(path)
+    return path
 
 
 def check_loadable(path: Path, flag: str, dtype: str) -> None:
@@ -70,7 +74,7 @@ def _records(entry, data_dir: str | None, limit: int | None):
     spec = get_spec(entry.name)
     if entry.source:
         recs = load_records(entry.source, split="test", question_field=spec.question_field,
-                            answer_field=spec.answer_field, limit=limit)
+                            answer_field=spec.answer_field, limit=limit, answer_kind=spec.kind)
         return spec, recs
     return load_benchmark(entry.name, data_dir, limit=limit)
 

@@ -156,14 +156,49 @@ def _numeric_value(answer: str) -> Fraction | None:
 
 
 def gold_answer(gold: Any, kind: str) -> str:
-    """The comparable part of a gold answer: after "####" (gsm8k), the \\boxed{} of a solution (math), else as is."""
+    """The comparable part of a gold answer: after "####" (gsm8k), the last \\boxed{} (a solution's), else as is."""
     _check_kind(kind)
     text = str(gold).strip() if gold is not None else ""
     if kind == "gsm8k" and "####" in text:
         text = text.rsplit("####", 1)[1].strip()
-    elif kind == "math" and "\\boxed" in text:
+    if "\\boxed" in text:  # a solution's (math) or a bare \boxed{12} gold of any kind
         text = last_boxed(text) or text
     return _strip_math_delims(text)
+
+
+# Real golds hold at most 10 digits in a row (../shared/data); int() refuses past 4,300 and sympy slows long before.
+MAX_GOLD_DIGITS = 1000
+_CONTROL_CHAR = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def control_char(text: str) -> str | None:
+    """'the control character '\\x00' at offset 2' for the first C0/DEL character of text (tabs and newlines
+    allowed), else None."""
+    m = _CONTROL_CHAR.search(text)
+    return None if m is None else f"the control character {m.group()!r} at offset {m.start()}"
+
+
+def gold_problem(gold: Any, kind: str) -> str | None:
+    """Why the grader cannot use `gold` under `kind` (a phrase completing "the gold answer ..."), or None when it
+    can. Numeric kinds need a number (fractions, decimals, signs, \\frac, "1,000", "$18" included); the math kind
+    takes any LaTeX or text. Both refuse control characters, answers over _MAX_ANSWER_CHARS and numbers of more
+    than MAX_GOLD_DIGITS digits."""
+    _check_kind(kind)
+    text = str(gold) if gold is not None else ""
+    if (bad := control_char(text)) is not None:
+        return f"holds {bad}"
+    answer = gold_answer(gold, kind)
+    if not answer:
+        return "is empty" + (" after its '####'" if kind == "gsm8k" else "")
+    digits = max(map(len, re.findall(r"\d+", answer.replace("{,}", "").replace(",", ""))), default=0)
+    if digits > MAX_GOLD_DIGITS:
+        return f"holds a {digits}-digit number (at most {MAX_GOLD_DIGITS} digits)"
+    if len(answer) > _MAX_ANSWER_CHARS:
+        return f"is {len(answer)} characters long (at most {_MAX_ANSWER_CHARS})"
+    if kind != "math" and parse_number(gold if isinstance(gold, (int, float)) else answer) is None:
+        return "is not a number" + (" after its '####'" if kind == "gsm8k" and "####" in text else
+                                    " (gsm8k golds end in '#### N')" if kind == "gsm8k" else "")
+    return None
 
 
 def _gold_number(gold: Any, kind: str) -> Fraction:

@@ -79,6 +79,23 @@ def current_umask() -> int:
     return mask
 
 
+def honour_umask(tree: str | Path) -> None:
+    """Give every file and folder under `tree` the mode a plain open()/mkdir() would: 0666 & ~umask, 0777 & ~umask
+    for folders and executables. Some writers (transformers' model.safetensors, via mkstemp) make files 0600,
+    which an output a group shares must not be."""
+    mask = current_umask()
+    for root, dirs, files in os.walk(tree):
+        for d in dirs:
+            if not os.path.islink(p := os.path.join(root, d)):
+                os.chmod(p, 0o777 & ~mask)
+        for f in files:
+            p = os.path.join(root, f)
+            if os.path.islink(p) or not os.path.isfile(p):
+                continue
+            executable = os.stat(p).st_mode & 0o111
+            os.chmod(p, (0o777 if executable else 0o666) & ~mask)
+
+
 def _prefix(path: Path) -> str:
     return f".{path.name}.{owner_tag()}."
 
@@ -116,13 +133,15 @@ def atomic_write_json(path: str | Path, data: Any) -> Path:
 
 @contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `path` in one rename (mode 0777 & ~umask)."""
+    """Yield a temporary sibling directory; on success it replaces `path` in one rename (mode 0777 & ~umask, and
+    every file in it 0666 & ~umask whatever wrote it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=_prefix(path), suffix=".tmp"))
     try:
         yield tmp
+        honour_umask(tmp)
         os.chmod(tmp, 0o777 & ~current_umask())
         if path.exists():
             # the old output also gets an owned temporary name: if we die before deleting it, the next run does

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qerl.errors import QerlError
+from qerl.checkpoint_guard import check_config_matches_weights, drop_remote_code
 from qerl.hub import check_checkpoint, resolve_model
 from qerl.io import atomic_dir, atomic_write_json
 from qerl.stage import default_run_file, load_section, require_dir, run_main, stage_parser, tracking_args
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cfg = load_section(args, "merge")
     base = check_checkpoint(resolve_model(args.base, what="--base"), "--base")
+    check_config_matches_weights(base)
     require_dir(args.adapter, "--adapter", must_contain=())
     full = not (Path(args.adapter) / "adapter_config.json").exists()
     if full and cfg.requantize:
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 report = merge_adapter(base, args.adapter, tmp, dtype=getattr(torch, args.dtype),
                                        requantize=cfg.requantize)
+            drop_remote_code(tmp, base)  # a base's auto_map / .py files never reach the merged output
             atomic_write_json(Path(tmp) / "merge.json", report)
         run.log_report(report)
         if "merged_from" in report:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qerl.checkpoint_guard import check_config_matches_weights
 from qerl.errors import QerlError
 from qerl.hub import check_checkpoint, resolve_model
 
@@ -59,7 +60,9 @@ def _check_args(model_path, mode: str, lora: LoraSpec | None) -> Path:
         raise QerlError("lora: mode 'full' trains every weight; leave lora unset")
     if mode != "full" and lora is None:
         raise QerlError(f"lora: mode {mode!r} needs a LoraSpec(r, alpha)")
-    return check_checkpoint(resolve_model(str(model_path), what="model_path"), "model_path")
+    path = check_checkpoint(resolve_model(str(model_path), what="model_path"), "model_path")
+    check_config_matches_weights(path)
+    return path
 
 
 def _load_base(model_path: Path, mode: str, dtype: torch.dtype, device) -> nn.Module:
@@ -108,11 +111,24 @@ def _norm_parameters(model: nn.Module):
             yield module.weight
 
 
+def check_target_modules(base: nn.Module, targets: tuple[str, ...]) -> None:
+    """Every lora.target_modules name must name a layer, as peft matches a list (the module's name, or its last
+    dotted parts): a typo would otherwise train fewer layers than asked, or stop inside peft."""
+    names = [name for name, _ in base.named_modules() if name]
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        layers = sorted({name.rsplit(".", 1)[-1] for name, m in base.named_modules()
+                         if name and hasattr(m, "in_features") and not list(m.children())})
+        raise QerlError(f"lora.target_modules {missing} name no layer of the model; its linear layers are: "
+                        f"{', '.join(layers) or 'none'}")
+
+
 def _attach_lora(base: nn.Module, mode: str, lora: LoraSpec) -> nn.Module:
     from peft import get_peft_model
 
     from qerl.fused_lora import register_fused_lora, set_fused
 
+    check_target_modules(base, lora.target_modules)
     config = lora.to_config()
     if mode == "qlora_fp4":
         from qerl.quant.lora import register_fp4_lora

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qerl.checkpoint_guard import check_config_matches_weights
 from qerl.hub import check_checkpoint, model_commit, resolve_model
 from qerl.io import atomic_dir, atomic_write_json
 from qerl.stage import default_run_file, load_section, run_main, stage_parser, tracking_args
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cfg = load_section(args, "quantize")
     model_dir = check_checkpoint(resolve_model(args.model, args.revision, what="--model"), "--model")
+    check_config_matches_weights(model_dir)  # before any MLflow run or model: a lying config sizes nothing
 
     from qerl.quant.compress import quantize_checkpoint
     from qerl.tracking import stage_run

@@ -108,6 +108,9 @@ def build_smollm2(out_dir: Path | str, wheel_dir: Path | str | None = None) -> P
     tmp_out = out_dir.with_name(out_dir.name + ".tmp")
     model.save_pretrained(tmp_out)
     tok.save_pretrained(tmp_out)
+    from qerl.io import honour_umask
+
+    honour_umask(tmp_out)  # transformers writes model.safetensors 0600
     if out_dir.exists():
         import shutil
         shutil.rmtree(out_dir)

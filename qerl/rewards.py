@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import re
 from typing import Any, Callable
@@ -121,7 +122,23 @@ def get_reward_fn(spec: str) -> Callable[..., list[float]]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise QerlError(f"reward function {spec!r}: module {module_name!r} has no callable {attr!r}")
+    check_reward_signature(fn, spec)
     return fn
+
+
+def check_reward_signature(fn: Callable, spec: str) -> None:
+    """Refuse, at startup, a reward function that cannot take the trainer's call: the completions positionally and
+    the keywords answers= and kind= (qerl.trainer through call_reward), instead of a TypeError at the first step."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some C callables have no signature: their first call will tell
+        return
+    try:
+        sig.bind(["completion"], answers=["gold"], kind="math")
+    except TypeError as exc:
+        raise QerlError(f"reward function {spec!r}: {getattr(fn, '__name__', 'fn')}{sig} cannot be called as "
+                        f"fn(completions, answers=..., kind=...) ({exc}); accept **kwargs, e.g. "
+                        f"def {getattr(fn, '__name__', 'fn')}(completions, **kwargs)") from None
 
 
 def call_reward(fn: Callable[..., list[float]], completions: list, *, timeout_s: float = DEFAULT_TIMEOUT_S,

@@ -41,7 +41,7 @@ def _load_data(cfg) -> list[dict]:
 
     d = cfg.data
     return load_records(d.source, split=d.split, question_field=d.question_field, answer_field=d.answer_field,
-                        config_name=d.config_name, limit=d.limit)
+                        config_name=d.config_name, limit=d.limit, answer_kind=d.answer_kind)
 
 
 def _setup_data(cfg, tokenizer, records: list[dict] | None = None) -> tuple[list[list[int]], list[str]]:
@@ -50,9 +50,14 @@ def _setup_data(cfg, tokenizer, records: list[dict] | None = None) -> tuple[list
     records = _load_data(cfg) if records is None else records
     ids = encode_prompts(tokenizer, [r["question"] for r in records], cfg.data.template)
     keep = [i for i, p in enumerate(ids) if len(p) <= cfg.max_prompt_length]
+    if not keep:  # else the trainer would stop on "no usable prompts" with no hint of the lengths
+        raise QerlError(f"train.max_prompt_length={cfg.max_prompt_length} is shorter than every prompt of "
+                        f"{cfg.data.source}: all {len(ids)} dropped, the shortest is {min(map(len, ids))} tokens "
+                        f"(template {cfg.data.template[:40]!r}); raise max_prompt_length")
     if len(keep) < len(ids):
-        log.warning("dropped %d prompt(s) longer than max_prompt_length=%d", len(ids) - len(keep),
-                    cfg.max_prompt_length)
+        log.warning("dropped %d of %d prompt(s) longer than max_prompt_length=%d (the shortest dropped: %d tokens)",
+                    len(ids) - len(keep), len(ids), cfg.max_prompt_length,
+                    min(len(p) for p in ids if len(p) > cfg.max_prompt_length))
     return [ids[i] for i in keep], [records[i]["answer"] for i in keep]
 
 
@@ -212,8 +217,12 @@ def _train(args, cfg, ranks) -> None:
     from qerl.tracking import stage_run
     from qerl.trainer import GRPOTrainer
 
+    from transformers import AutoTokenizer
+
     records = _load_data(cfg)  # before the model: a bad data file or reward name fails in seconds
     rewards = _setup_rewards(cfg)
+    # prompts too: the checkpoint's own tokenizer (what load_policy returns) loads in a second
+    prompts, answers = _setup_data(cfg, AutoTokenizer.from_pretrained(args.model), records)
     checkpoints = _setup_checkpoints(cfg, records, args.model, checkpoint_dir(args), args.resume)
     torch.manual_seed(cfg.seed)
     params = {"model": args.model, **cfg.model_dump(mode="json")}
@@ -223,7 +232,6 @@ def _train(args, cfg, ranks) -> None:
     with tracking as run:
         run.set_tags({"qerl.checkpoints": str(checkpoints.dir)})
         model, tokenizer = _setup_model(cfg, args.model)
-        prompts, answers = _setup_data(cfg, tokenizer, records)
         trainer = GRPOTrainer(cfg, model, tokenizer, prompts, answers, rewards,
                               checkpoint_dir=checkpoints.root, fingerprint=checkpoints.fingerprint, ranks=ranks)
         # the window needs the trainer's step count to flush at the last step; resume replays through it too

@@ -109,3 +109,42 @@ def dead_pid() -> int:
     while process_alive(proc.pid) and time.time() < deadline:
         time.sleep(0.05)
     return proc.pid
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_weights_written_0600_inside_an_atomic_dir_get_the_umask_mode(tmp_path, umask):
+    """transformers' save_pretrained makes model.safetensors 0600 (mkstemp); the output must read like open()'s."""
+    import tempfile
+
+    old = os.umask(umask)
+    try:
+        with atomic_dir(tmp_path / "adapter") as tmp:
+            fd, name = tempfile.mkstemp(dir=tmp)  # 0600, as the weight writers make it
+            os.close(fd)
+            os.replace(name, tmp / "adapter_model.safetensors")
+            (tmp / "sub").mkdir(mode=0o700)
+            (tmp / "sub" / "model.safetensors").write_bytes(b"w")
+            os.chmod(tmp / "sub" / "model.safetensors", 0o600)
+            (tmp / "run.sh").write_text("#!/bin/sh\n")
+            os.chmod(tmp / "run.sh", 0o700)
+    finally:
+        os.umask(old)
+    out = tmp_path / "adapter"
+    assert (out / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (out / "sub" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (out / "sub").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (out / "run.sh").stat().st_mode & 0o777 == 0o777 & ~umask  # execute bits kept
+
+
+def test_a_saved_model_in_an_atomic_dir_honours_the_umask(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    old = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "m") as tmp:
+            model.save_pretrained(tmp)
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "m").iterdir()}
+    assert set(modes.values()) == {"0o644"}, modes

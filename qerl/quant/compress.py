@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from qerl.errors import QerlError
+from qerl.checkpoint_guard import check_config_matches_weights, drop_remote_code
 from qerl.hub import check_checkpoint
 
 SCHEMES = {"nvfp4": "NVFP4A16", "nvfp4-awq": "NVFP4A16", "mxfp4": "MXFP4A16", "bf16": None, "nf4": None}
@@ -211,6 +212,7 @@ def quantize_checkpoint(model_path, out_dir, scheme: str, calibration_texts=None
     if scheme not in SCHEMES:
         raise QerlError(f"scheme: {scheme!r} is not one of {sorted(SCHEMES)}")
     model_path, out_dir = check_checkpoint(model_path, "model_path"), Path(out_dir)
+    check_config_matches_weights(model_path)  # a config that lies must not size the model we build
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if scheme == "bf16":
@@ -220,6 +222,7 @@ def quantize_checkpoint(model_path, out_dir, scheme: str, calibration_texts=None
     else:
         errors = _quantize_llmcompressor(model_path, out_dir, scheme, calibration_texts, num_calibration_samples,
                                          max_seq_length)
+    drop_remote_code(out_dir, model_path)  # auto_map / .py files the save copied: never part of an output
     seconds = time.perf_counter() - start
     values = list(errors.values())
     report = {"scheme": scheme, "preset": SCHEMES[scheme], "seconds": seconds, **size_report(out_dir, model_path),

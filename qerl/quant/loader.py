@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from qerl.errors import QerlError
+from qerl.checkpoint_guard import check_config_matches_weights
 from qerl.hub import check_checkpoint, read_json
 from qerl.quant.linear import FP4Linear
 
@@ -149,6 +150,7 @@ def load_quantized_model(path: str | Path, dtype: torch.dtype = torch.float32, d
     cfg_file = path / "config.json"
     raw = _read_config(path)
     check_checkpoint(path)  # weight files readable, model_type known: one line before any tensor is read
+    check_config_matches_weights(path)  # packed shapes bound the skeleton the config would build
     if "quantization_config" not in raw:
         raise QerlError(f"{cfg_file}: quantization_config missing (not a quantized checkpoint; quantize it first)")
     qcfg = raw["quantization_config"]
