@@ -17,6 +17,16 @@ def test_unknown_command_prints_usage():
     assert "usage: qerl" in str(exc.value) and "python -m bench.<name>" in str(exc.value)
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h", "help"])
+def test_help_lists_every_command_with_its_line(capsys, flag):
+    cli.main([flag])
+    out = capsys.readouterr().out
+    for name in cli.STAGES:
+        line = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
+        assert len(line.split(None, 1)[1]) > 10, line  # a description, read from the module's docstring
+    assert "Stage 2: GRPO" in out and "python -m bench.<name>" in out
+
+
 def test_stage_dispatch_runs_the_module_main(capsys):
     cli.main(["config", "check", str(CONFIG)])
     assert capsys.readouterr().out.startswith("ok:")
