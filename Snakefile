@@ -3,9 +3,20 @@
 #   snakemake --cores 1 results/qwen7b/eval.json      # one experiment
 #   snakemake --cores 1 demo_ablation                 # an ablation (config: ablations): runs, curves, table
 #   snakemake --profile workflow/profiles/slurm all_experiments
+import sys
+
 from snakemake.utils import min_version, validate
 
+from qerl.config_input import check_yaml_files
+from qerl.errors import QerlError
+
 min_version("9.0")
+
+try:  # qerl's reader first: Snakemake's would keep the last of duplicate keys and hand a YAML alias bomb on
+    check_yaml_files(["config/config.yaml", *workflow.overwrite_configfiles])
+except QerlError as err:
+    sys.stderr.write(f"config error: {err}\n")
+    sys.exit(1)
 
 
 configfile: "config/config.yaml"

@@ -21,6 +21,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from qerl.config_input import (EXPERIMENT_NAME, MethodName, ModelRef, ResultsDir, Revision, StopString,
+                               load_yaml_file)
 from qerl.errors import QerlError
 
 QuantScheme = Literal["nvfp4", "nvfp4-awq", "mxfp4", "bf16", "nf4"]
@@ -32,9 +34,6 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-# Experiment names become paths and shell words: no separators, no leading dot or dash, no spaces or quotes.
-EXPERIMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-_REPO_ID = re.compile(r"^[\w][\w.-]{0,95}(/[\w][\w.-]{0,95})?$")  # the hub's rule, less its '--'/'..' checks
 _DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
 
@@ -100,7 +99,7 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    stop: list[str] = []
+    stop: list[StopString] = []
     gpu_memory_utilization: float = Field(0.35, gt=0.0, le=1.0, description="vllm: fraction of the card; paged: "
                                           "fraction of the memory free when a rollout starts, for the KV pool")
     block_size: int = Field(16, ge=1, description="paged: tokens per KV block")
@@ -219,7 +218,7 @@ class EvalConfig(_Section):
     temperature: float = Field(0.6, gt=0.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     max_new_tokens: int = Field(4096, ge=1)
-    stop: list[str] = Field([], description="stop strings (use the training rollout's, e.g. the demo's newline)")
+    stop: list[StopString] = Field([], description="stop strings (use the training rollout's, e.g. the demo's newline)")
     template: str | None = Field(None, description="None: the training template")
     batch_size: int = Field(64, ge=1, description="prompts per generate call")
     limit: int | None = Field(None, ge=1, description="evaluate only the first N problems (smoke tests)")
@@ -235,17 +234,10 @@ class MergeConfig(_Section):
 
 
 class ExperimentConfig(_Section):
-    model: str = Field(..., min_length=1, description="hub name, local directory, or resources/<name> built "
-                       "by a rule")
-    model_revision: str | None = Field(None, min_length=1, description="hub branch, tag or commit of `model` "
-                                       "(None: main); ignored for local directories")
-
-    @field_validator("model")
-    @classmethod
-    def _path_or_repo_id(cls, model: str) -> str:
-        if model.startswith(("/", ".", "~")) or Path(model).exists() or _REPO_ID.match(model):
-            return model
-        raise ValueError(f"{model!r} is neither a local path nor a hub name like 'Qwen/Qwen2.5-7B-Instruct'")
+    model: ModelRef = Field(..., min_length=1, description="hub name, local directory, or resources/<name> built "
+                            "by a rule")
+    model_revision: Revision | None = Field(None, min_length=1, description="hub branch, tag or commit of `model` "
+                                            "(None: main); ignored for local directories")
     row: str | None = Field(None, description="row key in the paper's tables, e.g. 'nvfp4_lora_aqn'")
     model_size: str | None = Field(None, description="e.g. 7B; selects the table column and resources")
     quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
@@ -295,7 +287,7 @@ class AblationMethod(_Section):
 class AblationConfig(_Section):
     base: str = Field(..., description="experiment whose model, data, recipe and eval every run starts from")
     seeds: list[int] = Field([0, 1, 2], min_length=1, description="train.seed of each run of every method")
-    methods: dict[str, AblationMethod] = Field(..., min_length=1, description="name -> what it changes")
+    methods: dict[MethodName, AblationMethod] = Field(..., min_length=1, description="name -> what it changes")
     train: dict[str, Any] = Field({}, description="train keys changed for every run (e.g. a shorter run)")
     eval: dict[str, Any] = Field({}, description="eval keys changed for every run (e.g. limit)")
     smooth_steps: int = Field(5, ge=1, description="moving-average window of the plotted curves, in steps")
@@ -303,7 +295,7 @@ class AblationConfig(_Section):
 
 class Config(_Section):
     default_target: str = Field("demo", description="experiment built by `snakemake` with no target")
-    results_dir: str = "results"
+    results_dir: ResultsDir = "results"
     python: str | None = Field(None, description="interpreter for the stages; None: the one running snakemake")
     vllm_python: str | None = Field(None, description="interpreter of the vLLM environment (engine: vllm)")
     tokenizer_dir: str = Field("../shared/tokenizers/qwen2.5", description="tokenizer of resources/tiny-qwen2")
@@ -345,7 +337,7 @@ STAGE_MODELS: dict[str, type[BaseModel]] = {
 
 def _one_line(err: ValidationError, where: str) -> str:
     e = err.errors()[0]
-    path = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+    path = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-") and p != "[key]")
     msg = " ".join(e["msg"].replace("Value error, ", "").split())
     if e["type"] == "extra_forbidden":
         msg = "unknown key"
@@ -392,14 +384,14 @@ def parse_section(kind: str, data: dict[str, Any] | str, where: str = "stage con
 
 
 def load_config(path: str | Path) -> Config:
+    """Read (qerl.config_input: bounded aliases, no duplicate keys, line:column errors) and validate a config file."""
     path = Path(path)
     if not path.is_file():
         raise QerlError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise QerlError(f"{path}: not valid YAML: {str(err).splitlines()[0]}") from None
-    return parse_config(data or {}, where=str(path))
+    data = load_yaml_file(path) or {}
+    if not isinstance(data, dict):
+        raise QerlError(f"{path}: expected a mapping of keys at the top, got {type(data).__name__}")
+    return parse_config(data, where=str(path))
 
 
 def section_json(exp: ExperimentConfig, kind: str) -> str:

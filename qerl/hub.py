@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -24,6 +25,24 @@ MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 SKIP_FILES = ["*/*", "consolidated*"]
 _PATH_PREFIXES = ("/", ".", "~", "resources/")
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+COMMIT_HASH = re.compile(r"[0-9a-f]{40}")  # fullmatch only
+_REF_RULES = (  # git check-ref-format's rules: (broken by, what a ref name has)
+    (lambda r: not r or len(r) > 255, "1 to 255 characters"),
+    (re.compile(r"[\x00-\x20\x7f~^:?*\[\\]").search, "no space, control character, NUL or any of ~ ^ : ? * [ \\"),
+    (lambda r: ".." in r or "@{" in r or "//" in r or r == "@", "no '..', '@{' or '//'"),
+    (lambda r: r.startswith("/") or r.endswith(("/", ".")), "no leading '/' and no trailing '/' or '.'"),
+    (lambda r: any(p.startswith(".") or p.endswith(".lock") for p in r.split("/")),
+     "no part starting with '.' or ending with '.lock'"),
+)
+
+
+def revision_problem(revision: str) -> str | None:
+    """Why `revision` is not a branch, tag or commit name, or None: the hub joins it to its cache's refs/ folder
+    and to URLs, so it must keep git's ref-name rules (no '..', no absolute path, no backslash or NUL)."""
+    for broken, rule in _REF_RULES:
+        if broken(revision):
+            return f"is not a branch, tag or commit hash (a git ref name has {rule})"
+    return None
 
 
 def hub_cache_dir() -> Path:
@@ -66,6 +85,8 @@ def resolve_model(ref: str, revision: str | None = None, *, what: str = "model")
         if revision:
             raise QerlError(f"{what}: {ref} is a local directory; a revision ({revision}) applies to hub names only")
         return path
+    if revision is not None and (why := revision_problem(revision)):
+        raise QerlError(f"{what}: revision {revision!r} {why}")
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
@@ -84,8 +105,9 @@ def _snapshot(repo_id: str, revision: str | None, what: str) -> str:
 
     offline, cache = hub_offline(), hub_cache_dir()
     name = f"{repo_id}@{revision}" if revision else repo_id
+    repo_dir = _check_cached_ref(repo_id, revision, cache, what, offline)
     try:
-        return snapshot_download(repo_id, revision=revision, cache_dir=str(cache), local_files_only=offline,
+        path = snapshot_download(repo_id, revision=revision, cache_dir=str(cache), local_files_only=offline,
                                  allow_patterns=MODEL_FILES, ignore_patterns=SKIP_FILES)
     except GatedRepoError:
         raise QerlError(f"{what}: hub repository {repo_id} is gated: accept its terms on huggingface.co and set "
@@ -101,6 +123,31 @@ def _snapshot(repo_id: str, revision: str | None, what: str) -> str:
         raise QerlError(f"{what}: hub error for {name}: {_first_line(err)}") from None
     except (httpx.HTTPError, OSError) as err:
         raise QerlError(f"{what}: could not download {name} ({type(err).__name__}: {_first_line(err)})") from None
+    snapshots = (repo_dir / "snapshots").resolve()
+    if Path(path).resolve().parent != snapshots or not COMMIT_HASH.fullmatch(Path(path).name):
+        raise QerlError(f"{what}: {name} resolved to {path}, not a snapshots/<commit> folder of {repo_dir}")
+    return path
+
+
+def _check_cached_ref(repo_id: str, revision: str | None, cache: Path, what: str, offline: bool) -> Path:
+    """The repo's folder in the hub cache, after checking (offline) the refs/<revision> file the hub will read: a
+    file inside refs/ holding a 40-hex commit, as the hub joins its text to snapshots/ unchecked. Online (the
+    hub falls back to refs/ when the network fails), the snapshot folder returned is checked instead."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    repo_dir = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    ref = repo_dir / "refs" / (revision or "main")
+    if not offline or COMMIT_HASH.fullmatch(revision or "") or not os.path.lexists(ref):
+        return repo_dir
+    if not ref.resolve().is_relative_to((repo_dir / "refs").resolve()) or not ref.is_file():
+        raise QerlError(f"{what}: hub cache ref {ref} is not a file inside {repo_dir / 'refs'}; delete it and "
+                        "fetch again")
+    with open(ref, encoding="utf-8", errors="replace") as f:
+        text = f.read(100)
+    if not COMMIT_HASH.fullmatch(text):
+        raise QerlError(f"{what}: hub cache ref {ref} holds {text[:50]!r}, not a 40-hex commit hash; delete it "
+                        "and fetch again")
+    return repo_dir
 
 
 def _not_cached(repo_id, revision, what, offline: bool, cache: Path, err: Exception) -> str:

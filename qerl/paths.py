@@ -18,14 +18,52 @@ so a stage run by hand writes where its rule would.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+from qerl.errors import QerlError
 
 STAGES = ("quantize", "train", "merge", "evaluate")
 # Folders of results/ that are not experiments: an experiment of that name would share them.
 RESERVED_NAMES = frozenset({"tables", "bench", "mlartifacts", "ablations"})
 EVAL_RECORDS = "eval_records"
 LOGS = Path("logs")
+
+
+# results_dir may not be inside these: a run (or a stray `rm -r` of its results) must never touch the system
+SYSTEM_DIRS = frozenset({"bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin", "sys",
+                         "usr"})
+
+
+def results_dir_problem(results_dir: str, cwd: Path | None = None) -> str | None:
+    """Why a config's results_dir cannot hold outputs, or None. Allowed: a folder below the working directory
+    (relative, no '..') or an absolute folder at least two deep outside the system trees; never the working
+    directory or a folder above it (the outputs would mix with the repository's files)."""
+    if not results_dir.strip() or "\0" in results_dir:
+        return "is empty or holds a NUL byte"
+    if results_dir.startswith("~"):
+        return "starts with '~', which nothing expands (a folder named '~' would be made): write the path out"
+    if ".." in PurePosixPath(results_dir).parts:
+        return "has a '..' segment: name a folder below the working directory, or an absolute path"
+    norm = os.path.normpath(results_dir)
+    segments = [s for s in norm.split("/") if s]
+    if norm.startswith("/") and len(segments) < 2:
+        return ("is the filesystem root or a folder directly under it: name a folder of its own (e.g. "
+                "/scratch/<you>/qerl-results)")
+    if norm.startswith("/") and segments[0] in SYSTEM_DIRS:
+        return f"is inside the system folder /{segments[0]}: name a folder of its own (e.g. /scratch/<you>/results)"
+    cwd = (cwd or Path.cwd()).resolve()
+    if Path(results_dir).resolve() in (cwd, *cwd.parents):
+        return "is the working directory or a folder above it: name a folder of its own (e.g. results)"
+    return None
+
+
+def _component(name: str, what: str) -> str:
+    """A name that becomes one folder of the layout: never a separator, '..' or '.', so no path leaves results/."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise QerlError(f"{what} {name!r} cannot be a folder name of the results layout (no '/', '\\', '..')")
+    return name
 
 
 def eval_records_dir(eval_json: str | Path) -> Path:
@@ -51,7 +89,7 @@ class Layout:
         object.__setattr__(self, "results", Path(self.results))
 
     def experiment(self, experiment: str) -> Path:
-        return self.results / experiment
+        return self.results / _component(experiment, "experiment")
 
     def quantized(self, experiment: str) -> Path:
         return self.experiment(experiment) / "quantized"
@@ -87,10 +125,10 @@ class Layout:
         return self.tables() / "runs" / "tables.json"
 
     def ablation(self, name: str) -> Path:
-        return self.results / "ablations" / name
+        return self.results / "ablations" / _component(name, "ablation")
 
     def bench_json(self, experiment: str) -> Path:
-        return self.results / "bench" / f"{experiment}.json"
+        return self.results / "bench" / f"{_component(experiment, 'experiment')}.json"
 
     def mlflow_db(self) -> Path:
         return self.results / "mlflow.db"

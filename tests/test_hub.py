@@ -93,6 +93,47 @@ def test_hf_home_alone_locates_the_cache(offline_hub, monkeypatch):
     assert resolve_model(REPO) == offline_hub  # $HF_HOME/hub, as huggingface_hub computes it
 
 
+@pytest.fixture
+def planted_hub(tmp_path, monkeypatch):
+    """An offline hub cache holding REPO at COMMIT, and a model folder beside the repo's that planted refs aim at."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny-qwen"
+    for folder in (repo / "snapshots" / COMMIT, repo / "snapshots" / "not-a-hash", cache / "elsewhere"):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return repo
+
+
+@pytest.mark.parametrize("text", ["../../elsewhere", "not-a-hash", COMMIT[:39], COMMIT + "/../../../elsewhere"])
+def test_a_planted_ref_cannot_steer_outside_snapshots(planted_hub, text):
+    """The hub joins a ref file's text to snapshots/ unchecked: a ref must hold a 40-hex commit."""
+    (planted_hub / "refs" / "evil").write_text(text)
+    line = _one_line(resolve_model, REPO, "evil")
+    assert f"hub cache ref {planted_hub / 'refs' / 'evil'} holds" in line and "40-hex commit hash" in line, line
+
+
+def test_a_ref_outside_refs_and_a_snapshot_outside_snapshots_are_refused(planted_hub, tmp_path):
+    outside = tmp_path / "outside-ref"
+    outside.write_text(COMMIT)
+    (planted_hub / "refs" / "linked").symlink_to(outside)
+    assert "is not a file inside" in _one_line(resolve_model, REPO, "linked")
+    other = "f" * 40
+    (planted_hub / "snapshots" / other).symlink_to(planted_hub.parent / "elsewhere", target_is_directory=True)
+    assert "not a snapshots/<commit> folder" in _one_line(resolve_model, REPO, other)
+    assert resolve_model(REPO) == planted_hub / "snapshots" / COMMIT
+
+
+@pytest.mark.parametrize("revision", ["../../planted", "/abs", "a\\b", "a\0b", ".x", "v1.lock", "a b"])
+def test_a_revision_must_be_a_ref_name(planted_hub, revision):
+    (planted_hub.parent / "planted").write_text("../../elsewhere")  # what refs/../../planted would read
+    line = _one_line(resolve_model, REPO, revision)
+    assert line.startswith(f"model: revision {revision!r} is not a branch, tag or commit hash"), line
+
+
 @pytest.mark.parametrize("ref, match", [
     ("./no-such-dir", "./no-such-dir is not a directory"),
     ("resources/no-model", "resources/no-model is not a directory"),
