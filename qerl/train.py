@@ -156,12 +156,19 @@ def write_history(history: list[dict], out_dir: Path) -> None:
     plt.close(fig)
 
 
-def save_outputs(trainer, tokenizer, cfg, out: str, model=None) -> None:
-    """model: what to save (default trainer.model; under FSDP the plain model gathered from the shards)."""
+def save_outputs(trainer, tokenizer, cfg, out: str, model=None, *, base: str | None = None,
+                 experiment: str | None = None) -> None:
+    """model: what to save (default trainer.model; under FSDP the plain model gathered from the shards);
+    base, experiment: what the model card names (the checkpoint trained on, the experiment)."""
+    from qerl.model_card import adapter_card
+
     model = trainer.model if model is None else model
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        # over peft's empty template
+        (tmp / "README.md").write_text(adapter_card(cfg, base=base or "the base checkpoint", experiment=experiment,
+                                                    history=trainer.log_history))
         if cfg.train_norms and cfg.mode != "full":
             from qerl.checkpoint import save_trained_norms
             save_trained_norms(model, tmp)
@@ -242,15 +249,16 @@ def _train(args, cfg, ranks) -> None:
         history = trainer.train()
         with trainer.parallel.gathered() as whole:  # FSDP: every rank gathers, rank 0 writes the plain model
             if ranks.is_main:
-                _save_and_log(trainer, whole, tokenizer, cfg, args.out, run, history)
+                _save_and_log(trainer, whole, tokenizer, cfg, args, run, history)
             ranks.barrier()  # no rank exits (and tears the group down) before the adapter is written
     if ranks.is_main:
         print(f"trained {trainer.total_steps} steps -> {args.out}")
 
 
-def _save_and_log(trainer, model, tokenizer, cfg, out: str, run, history: list[dict]) -> None:
-    save_outputs(trainer, tokenizer, cfg, out, model)
-    for name in ("trainer_state.json", "metrics.csv", "training_curves.png"):
+def _save_and_log(trainer, model, tokenizer, cfg, args, run, history: list[dict]) -> None:
+    out = args.out
+    save_outputs(trainer, tokenizer, cfg, out, model, base=args.model, experiment=args.experiment)
+    for name in ("trainer_state.json", "metrics.csv", "training_curves.png", "README.md"):
         run.log_artifact(Path(out) / name)
     run.log_artifact(Path(out), artifact_path="adapter")
     if history:

@@ -87,6 +87,8 @@ def test_kill_and_resume_equals_uninterrupted(nvfp4_dir, task, tmp_path):
     hist_a = json.loads((tmp_path / "a" / "trainer_state.json").read_text())["log_history"]
     hist_b = json.loads((tmp_path / "b" / "trainer_state.json").read_text())["log_history"]
     assert [h["reward"] for h in hist_a] == [h["reward"] for h in hist_b]
+    card = (tmp_path / "b" / "README.md").read_text()  # the model card, not peft's empty template
+    assert card.startswith("---\n") and f"`{nvfp4_dir}`" in card and "5 steps" in card and "AQN" in card
     # the resumed MLflow run holds the metrics of the steps before the kill too, each once
     from mlflow.tracking import MlflowClient
 
