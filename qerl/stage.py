@@ -30,8 +30,26 @@ def stage_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--run-file", help="where to write this stage's MLflow run id "
                                       "(default: <results-dir>/<experiment>/runs/<stage>.json)")
     p.add_argument("--upstream-run-file", help="run id file of the stage that produced the input")
+    p.add_argument("--needs-gpu", metavar="MODEL_SIZE", help="the experiment is sized for a CUDA GPU (the rules "
+                   f"pass its model_size): stop at once on a machine without one ({ALLOW_CPU}=1 runs it anyway)")
     add_mlflow_args(p)
     return p
+
+
+ALLOW_CPU = "QERL_ALLOW_CPU"
+
+
+def check_device(args: argparse.Namespace) -> None:
+    """One line, before any work, when the stage was told its experiment needs a GPU and torch sees none."""
+    size = getattr(args, "needs_gpu", None)
+    if not size or os.environ.get(ALLOW_CPU) == "1":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise QerlError(f"experiment '{args.experiment}' (model_size {size}) needs a CUDA GPU and torch sees none on "
+                        f"this machine: run it on a GPU machine or through a cluster profile (snakemake --profile "
+                        f"workflow/profiles/slurm ...); {ALLOW_CPU}=1 runs it on the CPU anyway (hours to days)")
 
 
 def tracking_args(args: argparse.Namespace) -> dict:
@@ -41,6 +59,7 @@ def tracking_args(args: argparse.Namespace) -> dict:
 
 
 def load_section(args: argparse.Namespace, kind: str) -> BaseModel:
+    check_device(args)  # every stage reads its section first: nothing is fetched or built before this
     if args.config_json:
         return parse_section(kind, args.config_json)
     if not args.config:

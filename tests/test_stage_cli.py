@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,22 @@ def test_a_bad_kernel_switch_is_one_line_before_the_stage_starts(capsys, monkeyp
     monkeypatch.setenv(name, "yes")
     line = _fails(capsys, lambda argv: ran.append(argv), [])
     assert name in line and "auto, 0 or 1" in line and not ran
+
+
+def test_a_gpu_sized_experiment_stops_in_one_line_on_a_machine_without_a_gpu(capsys, monkeypatch, tmp_path):
+    """The rules pass --needs-gpu <model_size> for GPU-sized experiments: without CUDA the stage stops before it
+    fetches or builds anything (a hub name that does not exist shows nothing was resolved); QERL_ALLOW_CPU=1 goes on."""
+    import torch
+
+    from qerl import quantize
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("QERL_ALLOW_CPU", raising=False)
+    config = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
+    argv = ["--experiment", "qwen7b", "--config", str(config), "--model", "nobody/not-a-model", "--out",
+            str(tmp_path / "q"), "--results-dir", str(tmp_path / "res"), "--needs-gpu", "7B"]
+    line = _fails(capsys, quantize.main, argv)
+    assert "'qwen7b' (model_size 7B) needs a CUDA GPU" in line and "QERL_ALLOW_CPU=1" in line
+    monkeypatch.setenv("QERL_ALLOW_CPU", "1")
+    line = _fails(capsys, quantize.main, argv)
+    assert "needs a CUDA GPU" not in line and "nobody/not-a-model" in line  # past the check: the model is looked up

@@ -86,6 +86,12 @@ def test_cpu_training_asks_for_the_time_a_loaded_machine_needs(plan):
     assert runtime >= 60  # 41 min measured for the demo's 40 steps on a loaded 2-core machine
 
 
+def test_gpu_sized_stages_refuse_a_machine_without_a_gpu_and_the_cpu_demo_does_not(plan):
+    for stage in ("quantize", "train", "evaluate"):
+        assert "--needs-gpu 7B" in plan[(stage, "qwen7b")].split("Shell command:")[1]
+        assert "--needs-gpu" not in plan[(stage, "demo")]
+
+
 def test_every_stage_gets_the_configs_mlflow_settings_and_the_layouts_paths(plan):
     lay = Layout("results")
     for stage in STAGES:

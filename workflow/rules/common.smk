@@ -145,6 +145,12 @@ def gpus(wildcards):
     return 0 if exp(wildcards).model_size in (None, "0.1B") else 1
 
 
+def needs_gpu_arg(wildcards):
+    """--needs-gpu <model_size> for the stages of an experiment sized for a GPU: on a machine without one they stop
+    in one line before any work (no 15 GB download for a CPU box); QERL_ALLOW_CPU=1 lets them run anyway."""
+    return f"--needs-gpu {shlex.quote(str(exp(wildcards).model_size))}" if gpus(wildcards) else ""
+
+
 def train_gpus(wildcards):
     """One GPU per data-parallel rank of the train job (train.num_gpus); none for CPU-sized experiments."""
     return 0 if gpus(wildcards) == 0 else exp(wildcards).train.num_gpus

@@ -14,6 +14,7 @@ rule evaluate:
         base=model_ref,
         revision=revision_arg,
         data_dir=CFG.data_dir,
+        gpu=needs_gpu_arg,
     log:
         log_file("evaluate"),
     benchmark:
@@ -26,4 +27,4 @@ rule evaluate:
         "{params.python:q} -m qerl.evaluate --experiment {wildcards.experiment:q} --trained {input.merged:q}"
         " --quantized {input.quantized:q} --base {params.base:q} {params.revision} --data-dir {params.data_dir:q}"
         " --out {output.eval:q} --config-json {params.cfg:q} --run-file {output.run:q}"
-        " --upstream-run-file {input.upstream:q} {MLFLOW} > {log:q} 2>&1"
+        " --upstream-run-file {input.upstream:q} {params.gpu} {MLFLOW} > {log:q} 2>&1"

@@ -9,6 +9,7 @@ rule quantize:
         revision=revision_arg,
         cfg=stage_json("quantize"),
         data=calibration_data_json,
+        gpu=needs_gpu_arg,
     log:
         log_file("quantize"),
     benchmark:
@@ -20,4 +21,4 @@ rule quantize:
     shell:
         "{PYTHON:q} -m qerl.quantize --experiment {wildcards.experiment:q} --model {params.model:q} {params.revision}"
         " --out {output.model:q} --config-json {params.cfg:q} --calibration-data-json {params.data:q}"
-        " --run-file {output.run:q} {MLFLOW} > {log:q} 2>&1"
+        " --run-file {output.run:q} {params.gpu} {MLFLOW} > {log:q} 2>&1"

@@ -20,6 +20,7 @@ rule train:
         cfg=stage_json("train"),
         launch=train_launch,
         checkpoints=checkpoint_dir,
+        gpu=needs_gpu_arg,
     log:
         log_file("train"),
     benchmark:
@@ -32,4 +33,4 @@ rule train:
         "{params.launch} --experiment {wildcards.experiment:q} --model {input.model:q}"
         " --out {output.adapter:q} --checkpoint-dir {params.checkpoints:q} --resume"
         " --config-json {params.cfg:q} --run-file {output.run:q} --upstream-run-file {input.upstream:q}"
-        " {MLFLOW} > {log:q} 2>&1"
+        " {params.gpu} {MLFLOW} > {log:q} 2>&1"
