@@ -428,10 +428,10 @@ def main(argv: list[str] | None = None) -> None:
     except QerlError as err:
         sys.exit(f"error: {err}")
     if a.cmd == "memory":
-        from qerl.memory import report_line
+        from qerl.memory import report_header, report_line
 
         lines = (report_line(n, e.model_size, e.quantize.scheme, e.train) for n, e in cfg.experiments.items())
-        print("\n".join(line for line in lines if line))
+        print("\n".join([report_header(), *(line for line in lines if line)]))
         return
     print(f"ok: {len(cfg.experiments)} experiments")
 

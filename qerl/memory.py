@@ -168,12 +168,32 @@ def _check_pool_holds_a_row(shape: Shape, train, est: dict[str, float]) -> None:
                          f"({row:.1f} GiB); raise it or shorten the rows")
 
 
+CPU_SIZED = frozenset({"0.1B"})  # model sizes the rules run on the CPU (the demo); no model_size counts as one
+
+
+def needs_gpu(model_size: str | None) -> bool:
+    """Whether the stages of an experiment of this model_size ask for a GPU (the rules' `gpu` resource)."""
+    return bool(model_size) and model_size not in CPU_SIZED
+
+
+_COLUMNS = ("weights", "adapter", "rollout", "activations")
+
+
+def report_header() -> str:
+    return (f"{'experiment':32s} {'runs on':7s} {'ranks':>5s} {'GiB/rank':>8s}  "
+            + " ".join(f"{c:>11s}" for c in _COLUMNS) + f"  GPUs needed ({GPU_GIB:.0f} GiB cards)")
+
+
 def report_line(name: str, model_size: str | None, scheme: str, train) -> str | None:
-    """One experiment's estimate for `python -m qerl.config memory`, or None without a known shape."""
+    """One experiment's estimate for `python -m qerl.config memory`, or None without a known shape. A CPU-sized
+    experiment (the demo) shows the same terms, as host memory."""
     shape = SHAPES.get(model_size or "")
     if shape is None:
         return None
     est = rank_memory_gib(shape, scheme, train, train.num_gpus)
+    terms = " ".join(f"{est[c]:11.1f}" for c in _COLUMNS)
+    if not needs_gpu(model_size):
+        return f"{name:32s} {'CPU':7s} {train.num_gpus:5d} {est['total']:8.1f}  {terms}  none (host memory)"
     need = gpus_needed(shape, scheme, train)
-    return (f"{name:32s} num_gpus {train.num_gpus}  {est['total']:6.1f} GiB/rank  "
-            f"needs {need if need is not None else '>' + str(MAX_GPUS_PER_NODE)}")
+    return (f"{name:32s} {'GPU':7s} {train.num_gpus:5d} {est['total']:8.1f}  {terms}  "
+            f"{need if need is not None else '>' + str(MAX_GPUS_PER_NODE)}")

@@ -225,3 +225,18 @@ def test_num_gpus_must_split_the_step_into_whole_groups_and_micro_batches(train,
     with pytest.raises(QerlError) as err:
         parse_section("train", {"data": {"source": "x"}, **train})
     assert message in str(err.value)
+
+
+def test_config_memory_has_a_header_and_says_where_each_experiment_runs(capsys):
+    """`qerl.config memory`: a header naming the columns; the CPU demo's terms as host memory, no GPUs; the GPU
+    rows' GPUs needed; the same CPU/GPU rule as the rules' `gpu` resource (qerl.memory.needs_gpu)."""
+    from qerl.config import main
+    from qerl.memory import needs_gpu
+
+    main(["memory", str(REPO / "config" / "config.yaml")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["experiment", "runs", "on", "ranks"] and "GPUs needed" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert rows["demo"][1] == "CPU" and rows["demo"][-2:] == ["(host", "memory)"]
+    assert rows["qwen7b"][1] == "GPU" and rows["qwen7b"][-1] == "1"
+    assert not needs_gpu("0.1B") and not needs_gpu(None) and needs_gpu("7B")

@@ -11,6 +11,7 @@ from pathlib import Path
 from qerl.ablation import ablation_run_names, expand_ablations, quantize_sources, render_spec
 from qerl.config import parse_config, section_json
 from qerl.errors import QerlError
+from qerl.memory import needs_gpu
 from qerl import paths
 from qerl.paths import Layout
 
@@ -142,7 +143,7 @@ def _size_gb(wildcards):
 
 
 def gpus(wildcards):
-    return 0 if exp(wildcards).model_size in (None, "0.1B") else 1
+    return 1 if needs_gpu(exp(wildcards).model_size) else 0
 
 
 def needs_gpu_arg(wildcards):
