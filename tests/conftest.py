@@ -30,12 +30,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> Path:
     if not TOKENIZER_DIR.exists():
-        pytest.skip(f"tokenizer not found at {TOKENIZER_DIR}")
+        pytest.skip(f"the Qwen2.5 tokenizer is not at {TOKENIZER_DIR} (set QERL_SHARED to the folder holding "
+                    "tokenizers/qwen2.5)")
     return TOKENIZER_DIR
 
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
+    if not DATA_DIR.exists():  # a plain clone: the real datasets sit beside the repository (QERL_SHARED moves them)
+        pytest.skip(f"the real datasets are not at {DATA_DIR} (set QERL_SHARED to the folder holding data/)")
     return DATA_DIR
 
 
