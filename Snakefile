@@ -11,6 +11,7 @@ from qerl.config_input import check_yaml_files
 from qerl.errors import QerlError
 
 min_version("9.0")
+shell.executable("bash")  # strict mode (set -euo pipefail): a stage piped through `tee <log>` fails its job
 
 try:  # qerl's reader first: Snakemake's would keep the last of duplicate keys and hand a YAML alias bomb on
     check_yaml_files(["config/config.yaml", *workflow.overwrite_configfiles])

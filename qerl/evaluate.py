@@ -89,7 +89,7 @@ def _modes(cfg, spec, entry):
         yield "sampled", entry.k or spec.k, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, **common)
 
 
-def evaluate_variant(variant: str, path: str, cfg, benchmarks: list, records_dir: Path, run) -> dict:
+def evaluate_variant(variant: str, path: str, cfg, benchmarks: list, records_dir: Path, run, progress=None) -> dict:
     from qerl.evaluation import benchmark_entry, evaluate_benchmark, result_key
     from qerl.rollout import make_engine
 
@@ -121,6 +121,8 @@ def evaluate_variant(variant: str, path: str, cfg, benchmarks: list, records_dir
             run.log_artifact(rec_path, artifact_path="per_problem")
             log.info("%s: %.4f +- %.4f (%d problems, k=%d)", key, summary["accuracy"], summary["stderr"],
                      summary["n_problems"], summary["k"])
+            if progress is not None:
+                progress.step(result=key, accuracy=float(summary["accuracy"]))
     engine.close()
     return results
 
@@ -172,9 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     params = {**paths, **{k: v for k, v in hub.items() if v}, **logged_params(cfg)}
     with stage_run(experiment=args.experiment, stage="evaluate", params=params,
                    run_file=default_run_file(args, "evaluate"), **tracking_args(args)) as run:
+        from qerl.progress import StepProgress
+
+        runs = sum(len(list(_modes(cfg, spec, entry))) for entry, (spec, _) in zip(cfg.benchmarks, benchmarks))
+        progress = StepProgress(f"evaluate {args.experiment}", runs * len(cfg.variants), every_s=0.0)  # each a result
         results = {}
         for variant in cfg.variants:
-            results.update(evaluate_variant(variant, str(dirs[variant]), cfg, benchmarks, records_dir, run))
+            results.update(evaluate_variant(variant, str(dirs[variant]), cfg, benchmarks, records_dir, run, progress))
+        progress.close()
         doc = {"experiment": args.experiment, "created": datetime.now(timezone.utc).isoformat(),
                "model": {"path": args.trained, "base": args.base or "", "quantized": args.quantized or ""},
                "engine": cfg.engine, "mlflow_run_id": run.run_id, "benchmarks": results}

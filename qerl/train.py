@@ -241,6 +241,7 @@ def _train(args, cfg, ranks) -> None:
         model, tokenizer = _setup_model(cfg, args.model)
         trainer = GRPOTrainer(cfg, model, tokenizer, prompts, answers, rewards,
                               checkpoint_dir=checkpoints.root, fingerprint=checkpoints.fingerprint, ranks=ranks)
+        trainer.progress_label = f"train {args.experiment}"
         # the window needs the trainer's step count to flush at the last step; resume replays through it too
         trainer.log_metrics = LoggingWindow(lambda m, s: run.log_metrics(m, step=s), cfg.logging_steps,
                                             trainer.total_steps)

@@ -103,6 +103,7 @@ class GRPOTrainer:
                                        num_training_steps=updates)
         self.engine = make_engine(cfg.rollout.engine, self.parallel.rollout_model, tokenizer, **engine_options(cfg))
         self.step, self.log_history = 0, []
+        self.progress_label = "train"  # the progress lines' name (the train stage adds the experiment)
         self._perms: dict[int, torch.Tensor] = {}
 
     # ---- data order: a fixed permutation per epoch, position = step * batch_size ----
@@ -403,11 +404,10 @@ class GRPOTrainer:
         return run.dir / f"step-{self.step:06d}"
 
     def train(self) -> list[dict[str, Any]]:
-        from tqdm.auto import tqdm
+        from qerl.progress import StepProgress
 
         self.parallel.start(self.trainable)  # replicas: rank 0's start, whatever each rank's init drew
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True,
-                   disable=not self.ranks.is_main)
+        bar = StepProgress(self.progress_label, self.total_steps, self.step, enabled=self.ranks.is_main)
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batch = self.rollout(self.step)
@@ -418,8 +418,7 @@ class GRPOTrainer:
             self.step += 1
             self.log_history.append({"step": self.step, **metrics})
             self.log_metrics(metrics, self.step)
-            bar.set_postfix(reward=f"{metrics['reward']:.3f}", step_s=f"{metrics['timing/step']:.1f}")
-            bar.update(1)
+            bar.step(reward=float(metrics["reward"]), step_s=float(metrics["timing/step"]))
             if self.step % self.cfg.save_steps == 0 or self.step == self.total_steps:
                 self.save()
         bar.close()

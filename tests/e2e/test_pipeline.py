@@ -77,6 +77,9 @@ def test_the_run_ends_with_the_accuracies_and_where_the_logs_are(pipeline):
         assert line and f"{100 * res['accuracy']:.1f} [" in line, console[-3000:]
     assert "logs/<experiment>/<stage>.log" in console
     assert (pipeline / "logs" / "tiny" / "train.log").read_text().count("step 3/3: reward") == 1
+    # the console (Snakemake's stdout) gets each long stage's progress lines, not the rest of its log
+    assert "qerl progress train tiny: step 1/3 reward" in console and "qerl progress train tiny: step 3/3" in console
+    assert "step 3/3: reward" not in console and "qerl progress evaluate tiny: step 1/" in console
 
 
 def test_outputs_follow_the_layout(pipeline):

@@ -27,4 +27,6 @@ rule evaluate:
         "{params.python:q} -m qerl.evaluate --experiment {wildcards.experiment:q} --trained {input.merged:q}"
         " --quantized {input.quantized:q} --base {params.base:q} {params.revision} --data-dir {params.data_dir:q}"
         " --out {output.eval:q} --config-json {params.cfg:q} --run-file {output.run:q}"
-        " --upstream-run-file {input.upstream:q} {params.gpu} {MLFLOW} > {log:q} 2>&1"
+        " --upstream-run-file {input.upstream:q} {params.gpu} {MLFLOW} 2>&1 | tee {log:q}"
+        # the console gets the progress lines and a failure's one error line; the log gets everything
+        " | {{ grep --line-buffered -E '^(qerl progress|error:)' || true; }}"

@@ -19,4 +19,6 @@ rule merge:
     shell:
         "{PYTHON:q} -m qerl.merge --experiment {wildcards.experiment:q} --base {input.base:q}"
         " --adapter {input.adapter:q} --out {output.model:q} --config-json {params.cfg:q}"
-        " --run-file {output.run:q} --upstream-run-file {input.upstream:q} {MLFLOW} > {log:q} 2>&1"
+        " --run-file {output.run:q} --upstream-run-file {input.upstream:q} {MLFLOW} 2>&1 | tee {log:q}"
+        # the console gets the progress lines and a failure's one error line; the log gets everything
+        " | {{ grep --line-buffered -E '^(qerl progress|error:)' || true; }}"

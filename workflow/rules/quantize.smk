@@ -21,4 +21,6 @@ rule quantize:
     shell:
         "{PYTHON:q} -m qerl.quantize --experiment {wildcards.experiment:q} --model {params.model:q} {params.revision}"
         " --out {output.model:q} --config-json {params.cfg:q} --calibration-data-json {params.data:q}"
-        " --run-file {output.run:q} {params.gpu} {MLFLOW} > {log:q} 2>&1"
+        " --run-file {output.run:q} {params.gpu} {MLFLOW} 2>&1 | tee {log:q}"
+        # the console gets the progress lines and a failure's one error line; the log gets everything
+        " | {{ grep --line-buffered -E '^(qerl progress|error:)' || true; }}"

@@ -33,4 +33,6 @@ rule train:
         "{params.launch} --experiment {wildcards.experiment:q} --model {input.model:q}"
         " --out {output.adapter:q} --checkpoint-dir {params.checkpoints:q} --resume"
         " --config-json {params.cfg:q} --run-file {output.run:q} --upstream-run-file {input.upstream:q}"
-        " {params.gpu} {MLFLOW} > {log:q} 2>&1"
+        " {params.gpu} {MLFLOW} 2>&1 | tee {log:q}"
+        # the console gets the progress lines and a failure's one error line; the log gets everything
+        " | {{ grep --line-buffered -E '^(qerl progress|error:)' || true; }}"
