@@ -73,7 +73,8 @@ def test_the_run_ends_with_the_accuracies_and_where_the_logs_are(pipeline):
     console = (pipeline / "stdout.txt").read_text()
     doc = load_eval_json(pipeline / "results" / "tiny" / "eval.json")
     for key, res in doc["benchmarks"].items():
-        line = next((line for line in console.splitlines() if f" {key} " in line), None)
+        line = next((line for line in console.splitlines()  # the summary table, not the progress lines
+                     if f" {key} " in line and not line.startswith("qerl progress")), None)
         assert line and f"{100 * res['accuracy']:.1f} [" in line, console[-3000:]
     assert "logs/<experiment>/<stage>.log" in console
     assert (pipeline / "logs" / "tiny" / "train.log").read_text().count("step 3/3: reward") == 1
