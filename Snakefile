@@ -3,6 +3,7 @@
 #   snakemake --cores 1 results/qwen7b/eval.json      # one experiment
 #   snakemake --cores 1 demo_ablation                 # an ablation (config: ablations): runs, curves, table
 #   snakemake --profile workflow/profiles/slurm all_experiments
+import os
 import sys
 
 from snakemake.utils import min_version, validate
@@ -12,6 +13,10 @@ from qerl.errors import QerlError
 
 min_version("9.0")
 shell.executable("bash")  # strict mode (set -euo pipefail): a stage piped through `tee <log>` fails its job
+# jobs write to log files: no progress bars redrawn with carriage returns in them (the stages' own progress lines,
+# qerl.progress, stay); every job inherits these (SLURM jobs through --export=ALL)
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 try:  # qerl's reader first: Snakemake's would keep the last of duplicate keys and hand a YAML alias bomb on
     check_yaml_files(["config/config.yaml", *workflow.overwrite_configfiles])

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -101,6 +102,8 @@ def use_available_cpus() -> int:
 def run_main(fn: Callable[[list[str] | None], None], argv: list[str] | None = None) -> None:
     """Run a stage main; user mistakes end as one line on stderr and exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # transformers warns on every save of a model llmcompressor dispatched, about a 50 GB shard buffer never used here
+    warnings.filterwarnings("ignore", message="Attempting to save a model with offloaded modules")
     use_available_cpus()
     try:
         from qerl.quant.dispatch import check_kernel_environment
