@@ -107,7 +107,8 @@ class RolloutConfig(_Section):
                                         "chunks + one per decoding row)")
     max_num_seqs: int | None = Field(None, ge=1, description="paged: rows decoded at once (None: as blocks allow)")
     compile: bool | Literal["auto"] = Field("auto", description="torch / paged: torch.compile the decode step in its "
-                                            "CUDA graphs (auto: on CUDA); at 7B the first rollout compiles minutes")
+                                            "CUDA graphs (auto: on CUDA; paged: each decoder layer, one compile for "
+                                            "all); the first 7B rollout compiles and captures for 1-2 min")
 
 
 class TrainConfig(_Section):
