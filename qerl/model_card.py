@@ -1,6 +1,7 @@
 """The adapter's model card (README.md in the adapter folder): what it was trained from, how, on what, for how long.
 
-    text = adapter_card(cfg, base="results/qwen7b/quantized", experiment="qwen7b", history=trainer.log_history)
+    text = adapter_card(cfg, base="results/qwen7b/quantized", experiment="qwen7b", history=trainer.log_history,
+                        eval_json=Layout("results").eval_json("qwen7b"))
 
 Written by the train stage over peft's empty template. The accuracy comes later (the evaluate stage's eval.json,
 with 95% intervals): the card says where, since a stage never rewrites another stage's output.
@@ -37,8 +38,10 @@ def _method(cfg) -> str:
     return "; ".join(parts)
 
 
-def adapter_card(cfg, *, base: str | Path, experiment: str | None, history: list[dict]) -> str:
-    """Markdown with a YAML header (the keys the Hub reads: base_model, library_name, tags)."""
+def adapter_card(cfg, *, base: str | Path, experiment: str | None, history: list[dict],
+                 eval_json: str | Path | None = None) -> str:
+    """Markdown with a YAML header (the keys the Hub reads: base_model, library_name, tags); eval_json: where the
+    evaluate stage writes this experiment's accuracy (qerl.paths.Layout.eval_json)."""
     source = _source_model(base)
     steps = max((int(row.get("step", 0)) for row in history), default=0)
     last = history[-1] if history else {}
@@ -66,9 +69,10 @@ def adapter_card(cfg, *, base: str | Path, experiment: str | None, history: list
     lines = [*header, title, "", "Trained with [qerl](https://arxiv.org/abs/2510.11696)'s pipeline (QeRL: GRPO over "
              "an NVFP4 base with Adaptive Quantization Noise).", "", "| | |", "|---|---|",
              *[f"| {k} | {v} |" for k, v in rows], ""]
-    target = f"results/{experiment}/eval.json" if experiment else "the evaluate stage's eval.json"
-    lines += [f"Accuracy on the configured benchmarks, with 95% intervals: `{target}` (`snakemake --cores 1 {target}`);"
-              " the per-step curves: `metrics.csv` and `training_curves.png` beside this card.", "",
+    where = (f"`{eval_json}` (`snakemake --cores 1 {eval_json}`)" if eval_json is not None
+             else "the evaluate stage's eval.json")
+    lines += [f"Accuracy on the configured benchmarks, with 95% intervals: {where}; the per-step curves: "
+              "`metrics.csv` and `training_curves.png` beside this card.", "",
               *_load_snippet(cfg, base)]
     if cfg.train_norms and cfg.mode != "full":
         lines += ["The RMSNorm scales were trained too (saved beside the adapter); `python -m qerl.merge` applies "

@@ -157,9 +157,10 @@ def write_history(history: list[dict], out_dir: Path) -> None:
 
 
 def save_outputs(trainer, tokenizer, cfg, out: str, model=None, *, base: str | None = None,
-                 experiment: str | None = None) -> None:
+                 experiment: str | None = None, eval_json: str | Path | None = None) -> None:
     """model: what to save (default trainer.model; under FSDP the plain model gathered from the shards);
-    base, experiment: what the model card names (the checkpoint trained on, the experiment)."""
+    base, experiment, eval_json: what the model card names (the checkpoint trained on, the experiment, where its
+    accuracy will be)."""
     from qerl.model_card import adapter_card
 
     model = trainer.model if model is None else model
@@ -168,7 +169,7 @@ def save_outputs(trainer, tokenizer, cfg, out: str, model=None, *, base: str | N
         tokenizer.save_pretrained(tmp)
         # over peft's empty template
         (tmp / "README.md").write_text(adapter_card(cfg, base=base or "the base checkpoint", experiment=experiment,
-                                                    history=trainer.log_history))
+                                                    history=trainer.log_history, eval_json=eval_json))
         if cfg.train_norms and cfg.mode != "full":
             from qerl.checkpoint import save_trained_norms
             save_trained_norms(model, tmp)
@@ -258,7 +259,8 @@ def _train(args, cfg, ranks) -> None:
 
 def _save_and_log(trainer, model, tokenizer, cfg, args, run, history: list[dict]) -> None:
     out = args.out
-    save_outputs(trainer, tokenizer, cfg, out, model, base=args.model, experiment=args.experiment)
+    save_outputs(trainer, tokenizer, cfg, out, model, base=args.model, experiment=args.experiment,
+                 eval_json=Layout(args.results_dir).eval_json(args.experiment))
     for name in ("trainer_state.json", "metrics.csv", "training_curves.png", "README.md"):
         run.log_artifact(Path(out) / name)
     run.log_artifact(Path(out), artifact_path="adapter")

@@ -9,6 +9,7 @@ import yaml
 
 from qerl.config import load_config
 from qerl.model_card import adapter_card
+from qerl.paths import Layout
 
 CONFIG = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
 
@@ -27,7 +28,8 @@ def test_card_names_base_method_data_steps_and_where_accuracy_lands(experiments,
     cfg = experiments["qwen7b"].train
     (tmp_path / "config.json").write_text(json.dumps({"_name_or_path": "Qwen/Qwen2.5-7B-Instruct"}))
     history = [{"step": 1, "reward": 0.25}, {"step": 2, "reward": 0.5, "aqn/sigma": 0.004}]
-    card = adapter_card(cfg, base=tmp_path, experiment="qwen7b", history=history)
+    card = adapter_card(cfg, base=tmp_path, experiment="qwen7b", history=history,
+                        eval_json=Layout("results").eval_json("qwen7b"))
     meta = header(card)
     assert meta["base_model"] == "Qwen/Qwen2.5-7B-Instruct" and meta["library_name"] == "peft"
     assert cfg.mode == "qlora_fp4" and {"nvfp4", "aqn", "grpo"} <= set(meta["tags"])
