@@ -56,13 +56,12 @@ class StepProgress:
             self.bar.set_postfix_str(text)
             self.bar.update(1)
             return
-        eta = self.eta()
-        line = (f"{self.label}: step {self.done}/{self.total} {text} elapsed {duration(self.clock() - self.start)}"
-                + (f" eta {duration(eta)}" if eta is not None else ""))
         now = self.clock()
         if self.last_console is None or now - self.last_console >= self.every_s or self.done == self.total:
             self.last_console = now
-            print(f"{PREFIX} {line}", file=self.stream, flush=True)
+            eta = self.eta()
+            print(f"{PREFIX} {self.label}: step {self.done}/{self.total} {text} elapsed {duration(now - self.start)}"
+                  + (f" eta {duration(eta)}" if eta is not None else ""), file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
