@@ -1,5 +1,6 @@
 # What `snakemake --report` shows of an experiment: its accuracies and training curves, rendered by qerl.report
-# from eval.json and the train stage's metrics.csv. `rule all` asks for them, so the demo's report holds them.
+# from eval.json and the train stage's metrics.csv. `rule all` asks for them, so the demo's report holds them; the
+# landing page (workflow.rst) shows each experiment's landing.html: the accuracy table and the curves figure.
 report: "../report/workflow.rst"
 
 
@@ -9,7 +10,7 @@ def report_dir(experiment):
 
 def report_files(experiment):
     d = report_dir(experiment)
-    return [f"{d}/accuracy.html", f"{d}/accuracy.png", f"{d}/curves"]
+    return [f"{d}/accuracy.html", f"{d}/accuracy.png", f"{d}/training_curves.png", f"{d}/landing.html"]
 
 
 rule experiment_report:
@@ -21,9 +22,9 @@ rule experiment_report:
                      category="Accuracy", labels={"experiment": "{experiment}", "figure": "table"}),
         chart=report(f"{report_dir('{experiment}')}/accuracy.png", caption="../report/accuracy.rst",
                      category="Accuracy", labels={"experiment": "{experiment}", "figure": "bars"}),
-        curves=report(directory(f"{report_dir('{experiment}')}/curves"), patterns=["{curve}.png"],
-                      caption="../report/curve.rst", category="Training curves",
-                      labels={"experiment": "{experiment}", "curve": "{curve}"}),
+        curves=report(f"{report_dir('{experiment}')}/training_curves.png", caption="../report/curve.rst",
+                      category="Training curves", labels={"experiment": "{experiment}", "figure": "curves"}),
+        landing=f"{report_dir('{experiment}')}/landing.html",
     params:
         metrics=str(LAYOUT.metrics_csv("{experiment}")),
         out=report_dir("{experiment}"),
