@@ -10,6 +10,9 @@ that brings a new base also evaluates it without training (base for a 16-bit met
 quantized one). `render` reads their metrics.csv and eval.json and writes, under results/ablations/<name>/:
   curves.png   reward, correct rollouts and entropy per step: the mean over seeds and the band between the lowest and highest seed
                (a moving average over smooth_steps steps), the paper's Figures 3, 4 and 8 in small
+  diagnostics.png  the same for the trainer's diagnostics (qerl.diagnostics): correctness and format reward, groups of
+               equal rewards (no gradient) and with no correct completion, rollout entropy, adapter update norm, and
+               KL(quantized || dense policy) where train.quant_kl_steps measured it
   table1.md    greedy accuracy per method and benchmark: the mean over seeds with a Wilson 95% interval over the
                seeds' pooled problems, each seed's accuracy, their standard deviation; the untrained bases
   ablation.json  the same numbers, for scripts
@@ -35,6 +38,15 @@ from qerl.tracking import add_mlflow_args
 # metrics.csv column -> axis title; correctness apart from the total, which also pays for the answer format
 CURVES = (("reward", "reward (weighted sum)"), ("rewards/correctness/mean", "correct rollouts (fraction)"),
           ("entropy", "policy entropy (nats per token)"))
+FORMAT = "rewards/format"  # whichever reward's name holds "format" (format, answer_line_format_if_correct, ...)
+# the trainer's per-step diagnostics (qerl.diagnostics), in diagnostics.png: how a run collapses, or does not
+DIAGNOSTICS = (("rewards/correctness/mean", "correctness reward (mean)"),
+               (FORMAT, "format reward (mean, unweighted)"),
+               ("frac_reward_zero_std", "groups of equal rewards (no gradient)"),
+               ("frac_groups_none_correct", "groups with no correct completion"),
+               ("rollout/entropy", "rollout entropy (nats/token, sampled estimate)"),
+               ("adapter/update_norm", "adapter update norm per step"),
+               ("quant/kl", "KL(quantized || dense policy), nats/token"))
 
 
 # ------------------------------------------------------------------------------------------ expansion
@@ -128,16 +140,19 @@ def render_spec(cfg: Config, name: str, results_dir: str | Path) -> dict[str, An
 
 # ------------------------------------------------------------------------------------------ curves
 def read_curves(path: str | Path) -> dict[str, list[float]]:
-    """step, reward and entropy columns of a run's metrics.csv."""
+    """step, CURVES' and DIAGNOSTICS' columns of a run's metrics.csv (nan where a run did not log one: an older run,
+    a dense method's quant/kl, the steps between two KL measurements)."""
     path = Path(path)
     if not path.is_file():
         raise QerlError(f"ablation: training metrics {path} do not exist (has the run trained?)")
     with path.open(encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
-    cols = {"step": []} | {key: [] for key, _ in CURVES}
+    cols = {"step": []} | {key: [] for key, _ in CURVES + DIAGNOSTICS}
+    fmt = next((k for k in (rows[0] if rows else {}) if k.startswith("rewards/") and k.endswith("/mean")
+                and "format" in k), None)
     for row in rows:
         for key in cols:
-            value = row.get(key)
+            value = row.get(fmt if key == FORMAT else key)
             cols[key].append(float(value) if value not in (None, "") else math.nan)
     return cols
 
@@ -152,9 +167,10 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 
 def band(curves: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
-    """mean, lowest and highest over seeds at each step (up to the shortest run)."""
+    """mean, lowest and highest over seeds at each step (up to the shortest run), of the seeds that have a value
+    there (nan where none has)."""
     n = min(len(c) for c in curves)
-    columns = [[c[i] for c in curves] for i in range(n)]
+    columns = [[c[i] for c in curves if not math.isnan(c[i])] or [math.nan] for i in range(n)]
     return ([sum(col) / len(col) for col in columns], [min(col) for col in columns], [max(col) for col in columns])
 
 
@@ -163,24 +179,30 @@ def finished(method: dict) -> list[dict]:
     return [run for run in method["runs"].values() if Path(run["metrics"]).is_file() and Path(run["eval"]).is_file()]
 
 
-def plot_curves(spec: dict, out_png: str | Path) -> Path:
+def plot_curves(spec: dict, out_png: str | Path, panels=CURVES, columns: int = 3) -> Path:
+    """One panel per (metrics.csv column, title) of `panels`, `columns` to a row: each method's mean over seeds
+    and the band between its lowest and highest seed, as moving averages over smooth_steps steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     window = spec["smooth_steps"]
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(5.5 * len(CURVES), 4))
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4 * rows), squeeze=False)
+    axes = axes.reshape(-1)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
     for method in spec["methods"].values():
         runs = [read_curves(run["metrics"]) for run in finished(method)]
         if not runs:
             continue
         steps = runs[0]["step"][:min(len(r["step"]) for r in runs)]
-        for ax, (key, _) in zip(axes, CURVES):
+        for ax, (key, _) in zip(axes, panels):
             mean, low, high = band([moving_average(r[key], window) for r in runs])
             line, = ax.plot(steps, mean, label=f"{method['label']} ({len(runs)} seeds)")
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-    for ax, (_, title) in zip(axes, CURVES):
+    for ax, (_, title) in zip(axes, panels):
         ax.set_xlabel("training step")
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
@@ -242,9 +264,16 @@ def summarise(spec: dict) -> dict:
                         "final_reward": [_tail_mean(c["reward"], spec["smooth_steps"]) for c in curves],
                         "final_correct": [_tail_mean(c["rewards/correctness/mean"], spec["smooth_steps"])
                                           for c in curves],
-                        "mean_entropy": [_tail_mean(c["entropy"], len(c["entropy"])) for c in curves]}
+                        "mean_entropy": [_tail_mean(c["entropy"], len(c["entropy"])) for c in curves],
+                        # each diagnostic's mean over the whole run, per seed (nan: not logged)
+                        "diagnostics": {key: [_or_none(_tail_mean(c[key], len(c[key]))) for c in curves]
+                                        for key, _ in DIAGNOSTICS}}
     return {"name": spec["name"], "base": spec["base"], "benchmarks": benchmarks, "methods": methods,
             "untrained": bases}
+
+
+def _or_none(x: float) -> float | None:
+    return None if math.isnan(x) else x  # JSON has no nan
 
 
 def _pct(x: float) -> str:
@@ -255,7 +284,7 @@ def table_markdown(summary: dict, smooth_steps: int) -> str:
     benches = summary["benchmarks"]
     header = (["Method"] + [f"{b} greedy % [95% CI]" for b in benches] + [f"{b} per seed (SD)" for b in benches]
               + [f"reward, last {smooth_steps} steps", f"correct rollouts, last {smooth_steps} steps",
-                 "mean entropy"])
+                 "mean entropy", "groups of equal rewards (run mean)"])
     rows = []
     for method in summary["methods"].values():
         cells = [method["label"]]
@@ -268,6 +297,8 @@ def table_markdown(summary: dict, smooth_steps: int) -> str:
         cells.append(" / ".join(f"{r:.3f}" for r in method["final_reward"]))
         cells.append(" / ".join(f"{r:.3f}" for r in method["final_correct"]))
         cells.append(" / ".join(f"{e:.3f}" for e in method["mean_entropy"]))
+        equal = method["diagnostics"]["frac_reward_zero_std"]
+        cells.append(" / ".join("-" if e is None else f"{e:.2f}" for e in equal))
         rows.append(cells)
     labels = {"base": "base, no training", "quantized_base": "quantized base, no training"}
     for variant, results in summary["untrained"].items():
@@ -284,7 +315,8 @@ def table_markdown(summary: dict, smooth_steps: int) -> str:
              + (f"**Partial: seeds finished {', '.join(partial)}.** " if partial else "")
              + "Mean over seeds; the 95% interval is Wilson's over the seeds' pooled problems (the uncertainty of the "
              "items, not of the seeds: the per-seed column shows that). Problems per seed: "
-             + ", ".join(f"{b} {k}" for b, k in n.items()) + ". Reward, correct rollouts and entropy are per seed.\n\n")
+             + ", ".join(f"{b} {k}" for b, k in n.items()) + ". Reward, correct rollouts, entropy and groups of equal "
+             "rewards are per seed.\n\n")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return intro + "\n".join(lines) + "\n"
@@ -296,7 +328,8 @@ def render(spec: dict, out_dir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarise(spec)
     paths = {"curves": plot_curves(spec, out / "curves.png"), "table": out / "table1.md",
-             "summary": out / "ablation.json"}
+             "summary": out / "ablation.json",
+             "diagnostics": plot_curves(spec, out / "diagnostics.png", DIAGNOSTICS, columns=4)}
     paths["table"].write_text(table_markdown(summary, spec["smooth_steps"]), encoding="utf-8")
     paths["summary"].write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return paths

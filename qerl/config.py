@@ -159,6 +159,9 @@ class TrainConfig(_Section):
     train_norms: bool = Field(False, description="also train RMSNorm scales (the original scripts do)")
     rollout_correction: Literal["none", "tis"] = "none"
     tis_cap: float = Field(2.0, gt=1.0)
+    quant_kl_steps: int = Field(0, ge=0, description="every N steps, quant/kl: KL from the quantized policy to the "
+                                "dense base with the same adapter, on that step's rollouts (holds a 2nd model); 0: off")
+    quant_kl_model: str | None = Field(None, description="dense base of quant_kl_steps; None: the experiment's model")
     aqn: AQNConfig | None = Field(default_factory=AQNConfig, description="null disables noise")
     lora: LoraSection = Field(default_factory=LoraSection)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -255,6 +258,8 @@ class ExperimentConfig(_Section):
             raise ValueError("train.mode qlora_fp4 needs quantize.scheme nvfp4, nvfp4-awq or mxfp4")
         if self.train.mode == "qlora_nf4" and self.quantize.scheme != "nf4":
             raise ValueError("train.mode qlora_nf4 needs quantize.scheme nf4")
+        if self.train.quant_kl_steps and self.train.quant_kl_model is None and not self.model_revision:
+            self.train.quant_kl_model = self.model  # the dense original the quantize stage started from
         from qerl.memory import check_fits
 
         try:

@@ -44,8 +44,15 @@ def group_advantages(rewards: Tensor, group_size: int, scale_rewards: str = "gro
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
     elif scale_rewards == "batch":
         centred = centred / (rewards.std() + eps)
-    constant = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+    constant = constant_groups(rewards, group_size)[:, None]
     return torch.where(constant, torch.zeros_like(centred), centred).reshape(-1)
+
+
+def constant_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """(groups,) bool: the groups whose rewards are all equal, i.e. zero advantage and no gradient. Exact equality,
+    not std == 0: torch's float32 std of one group of eight 0.1 rewards is 8e-9, not 0."""
+    grouped = rewards.view(-1, group_size)
+    return (grouped == grouped[:, :1]).all(dim=1)
 
 
 # ------------------------------------------------------------------------------------------- log-probs

@@ -5,7 +5,8 @@
     call_reward(get_reward_fn("my_pkg.rewards:brevity"), completions, timeout_s=1.0)
 
 Builtins: correctness (qerl.grading under its per-completion limit), format (the paper's <think>/<answer> shape, or
-the demo's "Answer: N" line). Reward functions that are not qerl's own (an import path from get_reward_fn) run under
+the demo's "Answer: N" line), and *_format_if_correct (the same, paid only on a correct answer: no constant answer
+can farm it). Reward functions that are not qerl's own (an import path from get_reward_fn) run under
 one limit per call, timeout_s per completion (call_reward). Grading's public names (grade, grade_completion,
 extract_answer, Grade, GradingStats, ...) are importable from here too.
 """
@@ -97,11 +98,30 @@ def format_reward(completions: list, style: str = "think", *, trailing_penalty: 
     raise QerlError(f"format_reward style {style!r} is unknown; expected 'think' or 'answer_line'")
 
 
+def format_if_correct_reward(completions: list, answers: list | None = None, kind: str = "math", *,
+                             style: str = "think", trailing_penalty: float = 0.5,
+                             timeout_s: float = DEFAULT_TIMEOUT_S, stats: GradingStats | None = None,
+                             **kw) -> list[float]:
+    """format_reward, paid only on a correct answer (0.0 on a wrong one, its trailing penalty included).
+
+    The plain format reward pays a well-formed wrong answer: a policy that writes the same well-formed answer to
+    every prompt (the demo's "Answer: a", the first operand) earns the bonus on every item, and its groups, all
+    equal, then give no gradient out of it. Gated per completion on correctness, not per group: any answer that is
+    wrong earns nothing, so in a group without a correct answer the format term is 0 for all and never the only
+    advantage signal, and it stays a per-completion reward like every other (groups are the trainer's layout).
+    """
+    correct = correctness_reward(completions, answers, kind, timeout_s=timeout_s, stats=stats, **kw)
+    shape = format_reward(completions, style, trailing_penalty=trailing_penalty)
+    return [s if c else 0.0 for s, c in zip(shape, correct)]
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
     "correctness": correctness_reward,
     "format": format_reward,
     "think_format": functools.partial(format_reward, style="think"),
     "answer_line_format": functools.partial(format_reward, style="answer_line"),
+    "think_format_if_correct": functools.partial(format_if_correct_reward, style="think"),
+    "answer_line_format_if_correct": functools.partial(format_if_correct_reward, style="answer_line"),
 }
 
 
@@ -163,4 +183,4 @@ def call_reward(fn: Callable[..., list[float]], completions: list, *, timeout_s:
     return values
 
 
-_SELF_LIMITED = (correctness_reward, format_reward)
+_SELF_LIMITED = (correctness_reward, format_reward, format_if_correct_reward)

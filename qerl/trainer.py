@@ -23,9 +23,10 @@ from qerl.aqn import aqn_sigma, aqn_stage
 from qerl.batch import Batch, micro_batch, micro_batch_rows, pad_rollout  # noqa: F401 (re-exported)
 from qerl.checkpoint import CheckpointRun, NonFiniteState, load_checkpoint
 from qerl.distributed import SINGLE, Ranks
+from qerl.diagnostics import QuantKL, rollout_entropy, snapshot, update_norm
 from qerl.errors import QerlError, out_of_memory_names
 from qerl.fsdp import data_parallel
-from qerl.grpo import group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
+from qerl.grpo import constant_groups, group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.optim import build_optimizer
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
@@ -102,6 +103,7 @@ class GRPOTrainer:
                                        num_warmup_steps=math.ceil(cfg.warmup_ratio * updates),
                                        num_training_steps=updates)
         self.engine = make_engine(cfg.rollout.engine, self.parallel.rollout_model, tokenizer, **engine_options(cfg))
+        self.quant_kl = QuantKL.for_config(cfg, self.device, resolve_device_dtype(cfg.dtype)[1])  # None: off
         self.step, self.log_history = 0, []
         self.progress_label = "train"  # the progress lines' name (the train stage adds the experiment)
         self._perms: dict[int, torch.Tensor] = {}
@@ -153,8 +155,10 @@ class GRPOTrainer:
         values, timeouts = self._reward_values(out.texts(self.tokenizer), answers)
         lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float32)
         clipped = torch.tensor([r == "length" for r in out.finish_reasons], dtype=torch.float32)
-        table = self.ranks.all_gather(torch.cat([values, lengths[:, None], clipped[:, None]], dim=1))
-        rewards = self._weighted_total(table[:, :-2])
+        surprise = torch.tensor([-sum(lp) for lp in out.logprobs], dtype=torch.float32)  # for rollout/entropy
+        table = self.ranks.all_gather(torch.cat([values, surprise[:, None], lengths[:, None], clipped[:, None]],
+                                                dim=1))
+        rewards = self._weighted_total(table[:, :-3])
         adv = group_advantages(rewards, g, self.cfg.scale_rewards)[groups.start * g:groups.stop * g]
         batch = self.collate(out, adv)
         # the decode steps' compile, warm-up and capture inside that rollout (the paged engine's graphs)
@@ -176,14 +180,20 @@ class GRPOTrainer:
             return self.engine.policy_rollout(policy, prompts, self.cfg.num_generations, sampling, sigma, noise_gen)
 
     def _reward_metrics(self, table: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
-        """Reward and completion metrics of the whole step from its (rows, reward functions + 2) table: each
-        function's value, then the completion length and the truncation flag of every row."""
-        lengths, clipped = table[:, -2], table[:, -1]
-        grouped = rewards.view(-1, self.cfg.num_generations)
+        """Reward and completion metrics of the whole step from its (rows, reward functions + 3) table: each
+        function's value, then each row's sum of -log p of its sampled tokens, its length and truncation flag.
+        rollout/entropy: qerl.diagnostics.rollout_entropy; frac_reward_zero_std counts groups of equal rewards."""
+        g = self.cfg.num_generations
+        surprise, lengths, clipped = table[:, -3], table[:, -2], table[:, -1]
+        grouped = rewards.view(-1, g)
         metrics = {f"rewards/{name}/mean": table[:, j].mean().item() for j, (name, _, _) in enumerate(self.reward_fns)}
+        for j, (name, _, _) in enumerate(self.reward_fns):
+            if name == "correctness":  # groups where only the other rewards can tell completions apart
+                metrics["frac_groups_none_correct"] = (table[:, j].view(-1, g).amax(dim=1) <= 0).float().mean().item()
         metrics.update({
             "reward": rewards.mean().item(), "reward_std": grouped.std(dim=1).mean().item(),
-            "frac_reward_zero_std": (grouped.std(dim=1) == 0).float().mean().item(),
+            "frac_reward_zero_std": constant_groups(rewards, g).float().mean().item(),
+            "rollout/entropy": rollout_entropy(surprise, lengths),
             "completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
             "completions/clipped_ratio": float(clipped.sum()) / len(clipped), "rollout_tokens": float(lengths.sum()),
         })
@@ -319,6 +329,7 @@ class GRPOTrainer:
             with torch.no_grad():
                 olds = [self.logprobs(sub)[0] for sub in subs]
         sums: dict[str, float] = {}
+        before = snapshot(self.trainable) if cfg.mode != "full" else None  # full: a second copy of the model
         t0 = time.perf_counter()
         self.model.train()
         for _ in range(cfg.num_iterations):
@@ -355,6 +366,8 @@ class GRPOTrainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if before is not None:  # how far this step's updates moved the adapter (the same on every rank)
+            sums["adapter/update_norm"] = update_norm(before, self.trainable)
         sums = {k: float(v) for k, v in sums.items()}
         sums["timing/update"] = time.perf_counter() - t0
         # positions the forwards computed per real token (padding of prompts and of each micro-batch's completions)
@@ -412,7 +425,8 @@ class GRPOTrainer:
             t0 = time.perf_counter()
             batch = self.rollout(self.step)
             self.engine.sleep()  # the KV pool (paged) or vLLM's memory goes to the update; generate takes it back
-            metrics = {**batch.metrics, **self.update(batch, self.step)}
+            kl = self.quant_kl.measure(self, batch) if self.quant_kl and self.quant_kl.due(self.step) else {}
+            metrics = {**batch.metrics, **kl, **self.update(batch, self.step)}
             metrics["timing/step"] = time.perf_counter() - t0
             metrics["tokens_per_second"] = metrics.pop("rollout_tokens") / max(metrics["timing/rollout"], 1e-9)
             self.step += 1

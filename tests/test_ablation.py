@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -137,9 +138,42 @@ def test_render_writes_bands_and_a_table_with_intervals_and_seed_spread(tmp_path
     assert "| base, no training | 26.0 [" in table and "demo_large" in table
 
 
+def _diagnostics_run(root: Path, name: str, zero_std: float, kl: float | None) -> dict:
+    """A run whose metrics.csv has the trainer's diagnostics; quant/kl every 2nd step, or never (a dense method)."""
+    run = _fake_run(root, name, 0.2, 0.4)
+    head = ["step", "reward", "rewards/correctness/mean", "rewards/answer_line_format_if_correct/mean", "entropy",
+            "frac_reward_zero_std", "frac_groups_none_correct", "rollout/entropy", "adapter/update_norm", "quant/kl"]
+    with open(run["metrics"], "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(head)
+        w.writerows([[s, 0.2, 0.1, 0.5, 0.4, zero_std, 0.25, 0.9, 0.01 * s, "" if kl is None or s % 2 else kl * s]
+                     for s in range(1, 5)])
+    return run
+
+
+def test_render_plots_the_diagnostics_per_method(tmp_path):
+    spec = {"name": "abl", "base": "demo", "smooth_steps": 2, "methods": {
+        "lora": {"label": "BF16 LoRA", "runs": {"0": _diagnostics_run(tmp_path, "l0", 0.5, None)}},
+        "fp4": {"label": "NVFP4 LoRA", "runs": {"0": _diagnostics_run(tmp_path, "f0", 0.75, 0.1),
+                                                "1": _diagnostics_run(tmp_path, "f1", 0.25, 0.2)}}}}
+    paths = ablation.render(spec, tmp_path / "out")
+    assert paths["diagnostics"].name == "diagnostics.png" and paths["diagnostics"].stat().st_size > 10_000
+    fp4 = json.loads(paths["summary"].read_text())["methods"]["fp4"]["diagnostics"]
+    assert fp4["frac_reward_zero_std"] == [0.75, 0.25] and fp4["rewards/format"] == [0.5, 0.5]
+    assert fp4["adapter/update_norm"] == [pytest.approx(0.025), pytest.approx(0.025)]  # (1 + 2 + 3 + 4) / 4 / 100
+    assert fp4["quant/kl"] == [pytest.approx(0.3), pytest.approx(0.6)]  # steps 2 and 4 only: (2 + 4) / 2 x kl
+    lora = json.loads(paths["summary"].read_text())["methods"]["lora"]["diagnostics"]
+    assert lora["quant/kl"] == [None] and lora["rollout/entropy"] == [0.9]
+    assert "| NVFP4 LoRA |" in paths["table"].read_text() and "| 0.75 / 0.25 |" in paths["table"].read_text()
+    assert ablation.band([[1.0, math.nan], [3.0, math.nan]]) == ([2.0, pytest.approx(math.nan, nan_ok=True)],
+                                                                 [1.0, pytest.approx(math.nan, nan_ok=True)],
+                                                                 [3.0, pytest.approx(math.nan, nan_ok=True)])
+
+
 def test_moving_average_and_band():
     assert ablation.moving_average([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
     assert ablation.band([[1, 2, 3], [3, 4]]) == ([2, 3], [1, 2], [3, 4])
+    assert ablation.band([[1, math.nan], [3, 5]]) == ([2, 5], [1, 5], [3, 5])  # a seed without a value: left out
 
 
 # ------------------------------------------------------------------------------------------ the target
