@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
                "engine": cfg.engine, "mlflow_run_id": run.run_id, "benchmarks": results}
         atomic_write_json(out, validate_eval(doc))
         run.log_artifact(out)
+        from qerl.report import accuracy_markdown
+
+        run.describe(accuracy_markdown(doc))
     print(f"wrote {out}")
 
 

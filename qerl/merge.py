@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         if "merged_from" in report:
             run.set_tags({f"merged_from.{k}": str(v) for k, v in report["merged_from"].items()})
         run.log_artifact(Path(args.out) / "merge.json")
+        run.describe(f"merged `{args.adapter}` into `{args.base}` -> `{args.out}`")
     print(f"merged {args.adapter} into {args.base} -> {args.out}")
 
 

@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             atomic_write_json(Path(tmp) / "quantize.json", report)
         run.log_report(report)
         run.log_artifact(Path(args.out) / "quantize.json")
+        run.describe(f"quantized `{args.model}` ({cfg.scheme}) -> `{args.out}`")
     print(f"quantized {args.model} ({cfg.scheme}) -> {args.out}")
 
 

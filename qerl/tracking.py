@@ -7,9 +7,8 @@ MLflow experiment so `mlflow.search_runs(filter_string="tags.`qerl.experiment` =
 Default store: sqlite:///<results>/mlflow.db with artifacts under <results>/mlartifacts; the config's
 mlflow.tracking_uri (each stage's --tracking-uri) replaces it, and MLFLOW_TRACKING_URI (e.g. a shared
 `mlflow server`) overrides both. The MLflow experiment is the config's mlflow.experiment_name (--mlflow-experiment),
-tagged as a model-training experiment. MLflow 3.17's UI ignores that tag: it opens every experiment in its GenAI
-view ("No data" for runs) unless the link says `?workflowType=machine_learning` (or the browser kept the "Model
-training" toggle), so `init` prints that link for the store's own experiment id (`experiment_link`).
+tagged as a model-training experiment; `init` prints the link to its runs (`experiment_link`: the UI's view).
+Each run's description (tag mlflow.note.content): its time and `StageRun.describe`'s headline, or its error line.
 Each stage writes `<results>/<experiment>/runs/<stage>.json` ({run_id, tracking_uri, experiment_id}) next to
 its output; the next stage reads it to link the runs.
 
@@ -36,7 +35,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -44,11 +43,13 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from qerl.errors import QerlError
 from qerl.io import atomic_file, atomic_write_text, owner_tag, process_alive
 from qerl.paths import Layout
+from qerl.progress import duration
 
 EXPERIMENT_NAME = "qerl"
 # The experiment's kind for MLflow clients and UIs that read it; 3.17's UI reads the URL's workflowType instead.
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` listens by default
+NOTE_TAG = "mlflow.note.content"  # the run's Description in the MLflow UI (markdown)
 
 
 def default_uri(results_dir: str | Path = "results") -> str:
@@ -166,11 +167,10 @@ def git_commit() -> str:
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     flat: dict[str, str] = {}
     for k, v in d.items():
-        key = f"{prefix}{k}"
         if isinstance(v, dict):
-            flat.update(_flatten(v, key + "."))
+            flat.update(_flatten(v, f"{prefix}{k}."))
         else:
-            flat[key] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
+            flat[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
     return flat
 
 
@@ -273,8 +273,9 @@ def ensure_store(results_dir: str | Path = "results", mlflow_experiment: str = E
 
 def experiment_link(uri: str, experiment_id: str) -> str:
     """How to browse the experiment's runs: the server's page for an http(s) store, else `mlflow ui` on the store
-    and its default address. The link names the workflow: MLflow 3.17's UI otherwise opens its GenAI view."""
-    page = f"#/experiments/{experiment_id}?workflowType=machine_learning"
+    and its default address. The link names the view: MLflow 3.17's UI ignores the experiment's kind and opens the
+    view the browser last picked, GenAI at first (where training runs show "No data")."""
+    page = f"#/experiments/{experiment_id}/runs?workflowType=machine_learning"
     if uri.startswith(("http://", "https://")):
         return f"{redact_uri(uri).rstrip('/')}/{page}"
     return f"mlflow ui --backend-store-uri {redact_uri(uri)}, then {UI_ADDRESS}/{page}"
@@ -313,7 +314,11 @@ class StageRun:
     """Handle given to a stage: log metrics/artifacts without touching mlflow directly."""
 
     def __init__(self, mlflow, run_id: str):
-        self._mlflow, self.run_id = mlflow, run_id
+        self._mlflow, self.run_id, self.headline = mlflow, run_id, ""
+
+    def describe(self, headline: str) -> None:
+        """The stage's result, a line or a small markdown table: the run's description, under its time."""
+        self.headline = headline
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         clean = {k.replace("@", "_at_"): float(v) for k, v in metrics.items() if v is not None}
@@ -343,6 +348,11 @@ class StageRun:
         self._mlflow.set_tags(tags)
 
 
+def _error_line(err: BaseException, uri: str) -> str:  # for a failed run's description: secrets masked
+    line = (str(err).strip().splitlines() or [""])[0]
+    return redact(line if isinstance(err, QerlError) else f"{type(err).__name__}: {line}".rstrip(": "), uri)[:300]
+
+
 def read_run_file(path: str | Path | None) -> str | None:
     if path is None or not Path(path).is_file():
         return None
@@ -367,8 +377,7 @@ def stage_run(*, experiment: str, stage: str, params: dict[str, Any], run_file: 
             exp_id = _experiment_id(mlflow, results_dir, uri, mlflow_experiment)
         tags = {"qerl.experiment": experiment, "qerl.stage": stage, "qerl.git_commit": git_commit(),
                 **_owner_tags()}
-        upstream = read_run_file(upstream_run_file)
-        if upstream:
+        if upstream := read_run_file(upstream_run_file):
             tags["qerl.upstream_run_id"] = upstream
         t0 = time.time()
         with mlflow.start_run(experiment_id=exp_id, run_name=f"{experiment}/{stage}", tags=tags) as run:
@@ -376,8 +385,17 @@ def stage_run(*, experiment: str, stage: str, params: dict[str, Any], run_file: 
             handle = StageRun(mlflow, run.info.run_id)
             handle.log_params(params)
             handle.log_dict(params, f"{stage}_config.json")
-            yield handle
-            handle.log_metrics({"stage_seconds": time.time() - t0})
+            try:
+                yield handle
+            except BaseException as err:
+                failed = f"**{experiment}/{stage}** failed after {duration(time.time() - t0)}: {_error_line(err, uri)}"
+                with suppress(Exception):  # a store that cannot take the tag must not hide the error itself
+                    mlflow.set_tag(NOTE_TAG, failed)
+                raise
+            seconds = time.time() - t0
+            handle.log_metrics({"stage_seconds": seconds})
+            done = f"**{experiment}/{stage}** finished in {duration(seconds)}"
+            mlflow.set_tag(NOTE_TAG, f"{done}\n\n{handle.headline}" if handle.headline else done)
     atomic_write_text(run_file, json.dumps({"run_id": run.info.run_id, "tracking_uri": redact_uri(uri),
                                             "experiment_id": exp_id, "stage": stage}, indent=2))
 

@@ -132,28 +132,15 @@ class LoggingWindow:
 
 
 def write_history(history: list[dict], out_dir: Path) -> None:
-    """metrics.csv (one row per step) and training_curves.png (reward, entropy, AQN sigma per step)."""
+    """metrics.csv (one row per step) and training_curves.png (the report's figure: reward first, every curve)."""
+    from qerl.report import metrics_from_history, plot_training_curves
+
     keys = sorted({k for row in history for k in row})
     with open(out_dir / "metrics.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(history)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("reward", "reward"), ("entropy", "entropy"), ("aqn/sigma", "AQN sigma"),
-              ("completions/mean_length", "completion tokens")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3))
-    steps = [row["step"] for row in history]
-    for ax, (key, title) in zip(axes, panels):
-        ax.plot(steps, [row.get(key, float("nan")) for row in history])
-        ax.set_title(title)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(out_dir / "training_curves.png", dpi=100)
-    plt.close(fig)
+    plot_training_curves(metrics_from_history(history), out_dir / "training_curves.png")
 
 
 def save_outputs(trainer, tokenizer, cfg, out: str, model=None, *, base: str | None = None,
@@ -264,8 +251,10 @@ def _save_and_log(trainer, model, tokenizer, cfg, args, run, history: list[dict]
     for name in ("trainer_state.json", "metrics.csv", "training_curves.png", "README.md"):
         run.log_artifact(Path(out) / name)
     run.log_artifact(Path(out), artifact_path="adapter")
-    if history:
-        run.log_metrics({f"final/{k}": v for k, v in history[-1].items() if k != "step"})
+    # the headline goes to the description: each final value is already the last point of its curve
+    from qerl.report import metrics_from_history, training_markdown
+
+    run.describe(f"{training_markdown(metrics_from_history(history))}\n\nadapter: `{out}`")
 
 
 if __name__ == "__main__":

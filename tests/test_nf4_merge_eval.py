@@ -131,6 +131,8 @@ def test_peft_merge_into_linear4bit_would_requantize(nf4_dir, trained):
 
 def test_merge_and_evaluate_stages_run_an_nf4_experiment(nf4_dir, trained, tiny_model_dir, data_dir, tmp_path,
                                                          monkeypatch):
+    import mlflow
+
     from qerl import evaluate
     from qerl.merge import main as merge_main
     from qerl.quant import nf4
@@ -167,6 +169,12 @@ def test_merge_and_evaluate_stages_run_an_nf4_experiment(nf4_dir, trained, tiny_
     runs = {r["stage"]: r for r in find_stage_runs("qlora", tmp_path, uri=store)}
     assert runs["merge"]["status"] == runs["evaluate"]["status"] == "FINISHED"
     assert runs["merge"]["metrics"]["max_abs_diff"] == report["max_abs_diff"]
+    client = mlflow.MlflowClient(tracking_uri=store)
+    notes = {stage: client.get_run(r["run_id"]).data.tags["mlflow.note.content"] for stage, r in runs.items()}
+    assert f"merged `{adapter_dir}` into `{nf4_dir}` -> `{merged}`" in notes["merge"]
+    for key, entry in results.items():  # the evaluate run's description is the accuracy table
+        benchmark, variant, mode = key.split("/")
+        assert f"| {benchmark} | {variant} | {mode} | **{100 * entry['accuracy']:.1f}** |" in notes["evaluate"]
 
 
 def test_nf4_merge_and_eval_errors_are_one_line_before_any_model_loads(nf4_dir, trained, data_dir, tmp_path, capsys,

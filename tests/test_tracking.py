@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,6 +55,74 @@ def test_failed_stage_writes_no_run_file(tmp_path, monkeypatch):
             raise RuntimeError("boom")
     assert not run_file.exists()
     assert tracking.find_stage_runs("x", tmp_path)[0]["status"] == "FAILED"
+
+
+def _note(run_id: str) -> str:
+    import mlflow
+
+    return mlflow.MlflowClient().get_run(run_id).data.tags[tracking.NOTE_TAG]
+
+
+def test_every_run_is_described_with_its_headline_under_its_time(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    runs = tmp_path / "x" / "runs"
+    with tracking.stage_run(experiment="x", stage="quantize", params={}, run_file=runs / "quantize.json",
+                            results_dir=tmp_path) as run:
+        pass
+    assert re.fullmatch(r"\*\*x/quantize\*\* finished in 0m0\ds", _note(run.run_id))  # a stage with nothing to add
+    with tracking.stage_run(experiment="x", stage="evaluate", params={}, run_file=runs / "evaluate.json",
+                            results_dir=tmp_path) as run:
+        run.describe("| benchmark | accuracy % |\n|---|---|\n| demo | **52.7** |")
+    head, body = _note(run.run_id).split("\n\n", 1)
+    assert re.fullmatch(r"\*\*x/evaluate\*\* finished in 0m0\ds", head)
+    assert body == "| benchmark | accuracy % |\n|---|---|\n| demo | **52.7** |"
+
+
+@pytest.mark.parametrize("error, said", [
+    (RuntimeError("boom\nTraceback detail"), "RuntimeError: boom"),
+    (QerlError("eval file results/x/eval.json does not exist"), "eval file results/x/eval.json does not exist"),
+    (KeyboardInterrupt(), "KeyboardInterrupt"),
+])
+def test_a_failed_run_is_described_by_its_error_line(tmp_path, monkeypatch, error, said):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(type(error)):
+        with tracking.stage_run(experiment="x", stage="train", params={}, run_file=tmp_path / "r.json",
+                                results_dir=tmp_path) as run:
+            raise error
+    assert re.fullmatch(r"\*\*x/train\*\* failed after 0m0\ds: " + re.escape(said), _note(run.run_id))
+
+
+def test_a_failed_runs_description_masks_the_stores_password():
+    uri = "http://bob:s3cret@mlflow.example:5000"
+    assert tracking._error_line(ValueError(f"cannot reach {uri}"), uri) == \
+        "ValueError: cannot reach http://bob:***@mlflow.example:5000"
+
+
+def test_a_train_run_has_its_per_step_curves_a_headline_and_no_single_point_final_metrics(
+        tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    """What the MLflow UI shows of a train stage: each curve with every logged step, no `final/*` copy of their
+    last points (a section of one-bar charts each, listed before the curves), and the headline in the description."""
+    import mlflow
+
+    from qerl.train import main
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = {"mode": "lora", "dtype": "float32", "max_steps": 3, "logging_steps": 1, "save_steps": 10,
+           "num_generations": 2, "batch_size": 2, "micro_batch_size": 2, "max_prompt_length": 128,
+           "max_completion_length": 4, "lora": {"lora_r": 4, "lora_alpha": 8},
+           "data": {"source": str(data_dir / "gsm8k" / "train.jsonl"), "limit": 8}}
+    main(["--experiment", "t", "--model", str(tiny_model_dir), "--out", str(tmp_path / "adapter"),
+          "--config-json", json.dumps(cfg), "--results-dir", str(tmp_path)])
+    (run,) = tracking.find_stage_runs("t", tmp_path)
+    assert not [k for k in run["metrics"] if k.startswith("final/")]
+    client = mlflow.MlflowClient()
+    for key in ("reward", "entropy", "aqn/sigma"):
+        assert [m.step for m in client.get_metric_history(run["run_id"], key)] == [1, 2, 3], key
+    head, headline = _note(run["run_id"]).split("\n\n", 1)
+    assert head.startswith("**t/train** finished in ")
+    assert headline.startswith("3 steps (to step 3); start and end: means over the first and last 1 step")
+    assert re.search(r"^\| reward \| [-\d.e]+ \| [-\d.e]+ \|$", headline, re.MULTILINE), headline
+    assert headline.endswith(f"adapter: `{tmp_path / 'adapter'}`")
 
 
 def test_unreachable_server_fails_fast(monkeypatch):
@@ -112,7 +181,7 @@ def test_init_prints_a_link_that_opens_the_runs_and_tags_the_kind(tmp_path, monk
     exp = client.get_experiment_by_name("kinds")
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     link = f"mlflow ui --backend-store-uri {tracking.tracking_uri(tmp_path)}, then http://127.0.0.1:5000/" \
-           f"#/experiments/{exp.experiment_id}?workflowType=machine_learning"
+           f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
     assert link in proc.stdout, proc.stdout
     old = client.create_experiment("untagged")  # a store made before the tag gets it on the next run
     client.create_experiment("chosen", tags={"mlflow.experimentKind": "finetuning"})
@@ -124,7 +193,7 @@ def test_init_prints_a_link_that_opens_the_runs_and_tags_the_kind(tmp_path, monk
 
 def test_a_server_link_is_its_own_page_without_the_password():
     link = tracking.experiment_link("https://bob:s3cret@mlflow.example:5000/", "7")
-    assert link == "https://bob:***@mlflow.example:5000/#/experiments/7?workflowType=machine_learning"
+    assert link == "https://bob:***@mlflow.example:5000/#/experiments/7/runs?workflowType=machine_learning"
 
 
 def test_the_installed_mlflow_ui_still_reads_the_workflow_type_from_the_link():
