@@ -111,7 +111,8 @@ class QuantKL:
         cfg = trainer.cfg
         plen = batch.input_ids.shape[1] - batch.completion_len
         total = torch.zeros(2, dtype=torch.float64, device=batch.input_ids.device)  # KL sum, tokens
-        trainer.model.eval()  # no LoRA dropout in a measurement; the update sets train() again
+        training = trainer.model.training
+        trainer.model.eval()  # no LoRA dropout in a measurement; then the mode the update expects, as it was
         for rows in micro_batch_rows(batch, cfg.micro_batch_size):
             sub = micro_batch(batch, rows)
             mask = sub.attention_mask[:, plen:].double()
@@ -119,6 +120,7 @@ class QuantKL:
                 kl = token_kl(trainer.model, self.twin, sub.input_ids, sub.attention_mask, sub.completion_len,
                               temperature=max(cfg.rollout.temperature, 1e-6), chunk_size=cfg.logprob_chunk_size)
             total += torch.stack([(kl.double() * mask).sum(), mask.sum()])
+        trainer.model.train(training)
         total = trainer.ranks.all_reduce(total)
         return {"quant/kl": float(total[0] / total[1].clamp(min=1.0)), "timing/quant_kl": time.perf_counter() - t0}
 

@@ -186,6 +186,10 @@ def test_trainer_logs_the_diagnostics(nvfp4_dir, tiny_model_dir, task, tmp_path,
         for got, want in seen[key]:
             assert got == pytest.approx(want, rel=1e-4, abs=1e-7), key
     assert all(got > 0 for got, _ in seen["kl"] + seen["norm"])  # NVFP4 moves the policy; the adapter moved
+    (tmp_path / "plain").mkdir()
+    plain, _ = _trainer(task, nvfp4_dir, tmp_path / "plain", monkeypatch, max_steps=2)
+    plain.train()  # measuring changes nothing the run does
+    assert all(torch.equal(p, q) for p, q in zip(_trainable(plain.model).values(), _trainable(tr.model).values()))
 
 
 def test_quant_kl_model_must_be_dense(nvfp4_dir, task, tmp_path, monkeypatch):  # noqa: F811
