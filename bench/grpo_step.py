@@ -36,6 +36,7 @@ import torch
 from bench.paged import ForcedLengthEngine, build_lora_model, draw_lengths, warmup_lengths
 from bench.random_models import decode_weight_bytes
 from bench.common import sync
+from qerl.compile_cache import configure
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -149,6 +150,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     from transformers import AutoTokenizer
 
     from bench.e2e_workers import _random_reward, random_batch, random_prompts
+    from qerl.compile_cache import CompileClock
     from qerl.trainer import GRPOTrainer, engine_options
 
     shared = Path(os.environ.get("QERL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
@@ -164,6 +166,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     engine = _Recording(model, tok, eos_token_ids=(), **engine_options(cfg))
     trainer.engine = engine
     engine.lengths = warmup_lengths(len(lengths), args.warmup_tokens)  # meets every decode bucket
+    clock = CompileClock()
     t = time.perf_counter()
     warm = trainer.rollout(0)
     engine.sleep()  # as GRPOTrainer.train: the pool and dense copies go back before the update
@@ -172,6 +175,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                                     args.device, cfg.seed), 0)
     sync(args.device)
     warm_s = time.perf_counter() - t
+    compiled = clock.summary()
     print(f"{mode}: built and warmed up in {warm_s:.1f} s; timing the step", flush=True)  # a call cut short says where
     warm_peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0  # a full-length micro-batch
     del warm
@@ -194,6 +198,8 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     rollout_s, update_s = batch.metrics["timing/rollout"], metrics["timing/update"]
     update_tokens = int(batch.attention_mask.sum())
     result = dict(mode=f"{mode}+lora", rows=len(lengths), useful_tokens=sum(lengths), warmup_s=warm_s,
+                  warmup_torch_compile_s=compiled["torch_compile_s"],
+                  warmup_humming_s=compiled["humming_prepare_s"], warmup_humming_kernels=compiled["humming_kernels"],
                   rollout_s=rollout_s, rollout_tok_s=sum(lengths) / rollout_s, decode_steps=stats.get("steps"),
                   preemptions=stats.get("preemptions"), peak_running=stats.get("peak_running"),
                   dense_copy_gib=stats.get("dense_copy_bytes", 0) / 2**30,
@@ -320,6 +326,10 @@ def _table(rows: list[dict]) -> str:
                      f"{r['floor_pct']:6.1f} {r['decode_steps'] or 0:6d} {r['update_s'] or 0:8.1f} "
                      f"{r['update_tok_s'] or 0:9,.0f} {r['step_s']:7.1f} {r['peak_gib']:8.2f}")
     for r in rows:
+        lines.append(f"{r['mode']:10s} warm-up {r['warmup_s']:.1f} s: torch.compile {r['warmup_torch_compile_s']:.1f} s, "
+                     f"humming {r['warmup_humming_kernels']} kernels {r['warmup_humming_s']:.1f} s; graph builds "
+                     f"in the timed rollout {r.get('graph_build_s') or 0:.2f} s")
+    for r in rows:
         if r.get("later_steps"):
             later = r["later_steps"]
             mean = {k: sum(x[k] for x in later) / len(later) for k in ("rollout_s", "update_s", "step_s")}
@@ -343,6 +353,7 @@ def _write(out: Path, payload: dict) -> None:
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    caches = configure()  # as a stage: compiled kernels kept for the next run (QERL_COMPILE_CACHE)
     train_cfg, size = recipe(args)
     rows = train_cfg.batch_size * train_cfg.num_generations
     lengths = draw_lengths(rows, args.median, args.sigma, train_cfg.max_completion_length, args.seed)
@@ -355,7 +366,8 @@ def main(argv=None) -> int:
           f"sigma {args.sigma}, cap {train_cfg.max_completion_length}): mean {np.mean(lengths):.0f}, max "
           f"{max(lengths)}, rows end there (random weights never emit EOS); copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s", flush=True)
-    payload = {"device": device_name, "torch": torch.__version__, "args": vars(args), "size": size,
+    print(f"compile caches: {caches}", flush=True)
+    payload = {"device": device_name, "torch": torch.__version__, "args": vars(args), "size": size, "caches": caches,
                "recipe": json.loads(train_cfg.model_dump_json()), "bandwidth_bytes_s": bandwidth,
                "matmul_flops_s": matmul_rate,
                "note": "random weights; rows end at drawn log-normal lengths (forced EOS); floor_s = sum over decode "

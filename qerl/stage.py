@@ -106,9 +106,11 @@ def run_main(fn: Callable[[list[str] | None], None], argv: list[str] | None = No
     warnings.filterwarnings("ignore", message="Attempting to save a model with offloaded modules")
     use_available_cpus()
     try:
+        from qerl.compile_cache import configure
         from qerl.quant.dispatch import check_kernel_environment
 
         check_kernel_environment()
+        configure()  # before anything compiles: kernels compiled once serve later runs and the other ranks
         with out_of_memory_names("this stage"):  # where no phase (rollout, update) named it more closely
             fn(argv)
     except QerlError as err:

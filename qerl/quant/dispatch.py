@@ -26,9 +26,10 @@ from qerl.quant.kernels.device import auto_on_off, capability, device_index, pdl
 from qerl.quant.operands import check_operands, lora_adapter, segment_bounds
 from qerl.quant.reference import reference_fp4_lora_matmul, reference_fp4_matmul, reference_fp4_matmul_t
 
-__all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "HUMMING_MAX_ROWS", "HUMMING_MIN_ROWS", "KERNELS", "SMALL_MM_MAX_ROWS",
-           "TMA_DENSE_MIN_ROWS", "check_kernel_environment", "choose_kernel", "fp4_cuda_mode", "fp4_humming_mode", "fp4_lora_matmul", "fp4_matmul",
-           "fp4_matmul_t", "pdl_mode", "run_fp4_matmul", "run_fp4_matmul_t", "small_matmul"]
+__all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "HUMMING_MAX_ROWS", "HUMMING_MIN_ROWS", "HUMMING_TABLE_ROWS", "KERNELS",
+           "SMALL_MM_MAX_ROWS", "TMA_DENSE_MIN_ROWS", "check_kernel_environment", "choose_kernel", "fp4_cuda_mode",
+           "fp4_humming_mode", "fp4_lora_matmul", "fp4_matmul", "fp4_matmul_t", "pdl_mode", "run_fp4_matmul",
+           "run_fp4_matmul_t", "small_matmul"]
 
 AUTO_ROWS = 8  # QERL_FP4_CUDA=auto: at 9-16 rows the two-tile CUDA kernel lost to Triton (BENCHMARKS.md)
 DENSE_MIN_ROWS = 128  # grad_input, and forward before sm_90: from here dequantize + cuBLAS beats the fused kernels
@@ -41,6 +42,9 @@ SMALL_MM_MAX_N = 256
 # win (7B stacked layer at 16 rows: x1.67 vs x1.55 bf16; at 32: x0.93 vs x1.47; H200)
 HUMMING_MIN_ROWS = 17
 HUMMING_MAX_ROWS = 2048  # measured to here: 7B layer x0.88 bf16 at 2048 rows vs x0.83 dequantize + cuBLAS (H200)
+# the row counts whose humming kernels a rollout compiles (one nvcc build each per layer shape, cached on disk):
+# the decode graphs' buckets from 17 rows (qerl.rollout.paged_graphs.bucket_sizes) and prefill chunk sizes
+HUMMING_TABLE_ROWS = (32, 64, 128, 256, 384, 512, 1024, 2048)
 KERNELS = ("reference", "cuda", "triton", "dense", "humming")
 
 

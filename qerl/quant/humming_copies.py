@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qerl.quant.dispatch import HUMMING_TABLE_ROWS, fp4_humming_mode
 from qerl.quant.kernels import humming_fp4
 from qerl.quant.linear import FP4Linear
 
@@ -44,9 +45,11 @@ def humming_copy_bytes(model: nn.Module, groups=()) -> int:
 
 def attach_humming_copies(model: nn.Module, groups=(), dtype: torch.dtype = torch.bfloat16) -> int:
     """Give every NVFP4 matmul of `model` (`groups`: its projection groups) its repacked copy for activations in
-    `dtype`; returns the bytes the copies hold. Idempotent."""
+    `dtype`; returns the bytes the copies hold. Idempotent. Their kernels are compiled here for the row counts the
+    dispatcher sends to humming (QERL_FP4_HUMMING=1: any)."""
     ops = [op for op in _operands(model, groups) if op[0].is_cuda]
-    return sum(humming_fp4.humming_weight(wp, ws, gs, segs, dtype).nbytes() for wp, ws, gs, segs in ops)
+    rows = None if fp4_humming_mode() == "1" else HUMMING_TABLE_ROWS
+    return sum(humming_fp4.humming_weight(wp, ws, gs, segs, dtype, rows).nbytes() for wp, ws, gs, segs in ops)
 
 
 def detach_humming_copies(model: nn.Module, groups=()) -> None:

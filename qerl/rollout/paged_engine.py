@@ -15,10 +15,13 @@ beyond floating-point rounding. Log-probs are log_softmax(logits / T) over the f
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 import torch
 
+from qerl import compile_cache
+from qerl.compile_cache import CompileClock
 from qerl.errors import QerlError
 from qerl.quant.dense_copies import attach_dense_copies, dense_copy_bytes, detach_dense_copies
 from qerl.quant.dispatch import HUMMING_MIN_ROWS, fp4_humming_mode
@@ -37,6 +40,7 @@ from qerl.rollout.paged_graphs import DecodeGraphs, compiled_decode_forward
 from qerl.rollout.sampling import row_uniforms, sample_tokens, sampling_key
 from qerl.rollout.scheduler import Scheduler, blocks_for, check_fits
 
+log = logging.getLogger("qerl.rollout.paged")
 _MAX_BUCKET = 512  # largest decode bucket when max_num_seqs is None; more running rows decode unpadded
 
 _DENSE_COPY_FREE_FRACTION = 0.25  # "auto" keeps dense copies only if they leave >= 75% of free memory to the pool
@@ -112,6 +116,7 @@ class PagedEngine(RolloutEngine):
     def generate(self, prompt_ids, n: int = 1, sampling: SamplingParams | None = None) -> RolloutOutput:
         sampling = sampling or SamplingParams()
         prompts = check_prompts(prompt_ids, n)
+        clock = CompileClock()
         if self.num_blocks is not None:  # known size: refuse before allocating anything
             check_fits(prompts, sampling.max_tokens, self.block_size, self.num_blocks)
         if self.pool is not None and self._pool_rows and len(prompts) * n > self._pool_rows:
@@ -143,10 +148,11 @@ class PagedEngine(RolloutEngine):
                 seconds[key] += time.perf_counter() - start
                 counts[key] += 1
         graph_stats = {k: v - before[k] for k, v in graphs.stats.items()} if graphs is not None else {}
+        compiled = _log_compiles(clock.summary())
         self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes,
                           dense_copy_bytes=self.dense_bytes, projection_groups=len(self._groups), **graph_stats,
                           **{f"dense_check_{k}": v for k, v in self.dense_check.items()},
-                          humming_bytes=self.humming_bytes,
+                          humming_bytes=self.humming_bytes, **compiled,
                           **{f"humming_check_{k}": v for k, v in self.humming_check.items()},
                           **{f"step_s_{k}": v for k, v in seconds.items()},
                           **{f"steps_{k}": v for k, v in counts.items()})
@@ -239,7 +245,7 @@ class PagedEngine(RolloutEngine):
             graphed = self.device.type == "cuda" and triton_paged is not None and triton_paged.supported(
                 torch.empty(1, heads, pool.head_dim, device=self.device), pool.key[0])
             self._graphs = DecodeGraphs(self.model, pool, sampling, width, self.max_num_seqs or _MAX_BUCKET, key,
-                                        forward=self._decode_forward(graphed))
+                                        forward=self._decode_forward(graphed), warm_key=(id(self), *key[:5]))
             self._graphs.capture_ok = graphed  # else the reference's gathers: padded, but not worth a graph
         return self._graphs
 
@@ -351,6 +357,18 @@ def _step_bin(rows: int, decode: bool) -> str:
         return "prefill"
     return "decode_1_32" if rows <= 32 else "decode_33_128" if rows <= 128 else \
         "decode_129_512" if rows <= 512 else "decode_513_up"
+
+
+def _log_compiles(times: dict) -> dict:
+    """One log line when this call compiled for over a second (a first rollout), saying what and where it is kept;
+    the seconds also go to the call's stats."""
+    spent = times["torch_compile_s"] + times["humming_prepare_s"]
+    if spent > 1.0:
+        log.info("rollout: %.1f s of this %.1f s call compiled: torch.compile of the decoder layers %.1f s, humming "
+                 "%d kernels %.1f s (the rest of the build: Triton JIT, warm-up steps, captures); kept for later runs "
+                 "under %s", spent, times["wall_s"], times["torch_compile_s"], times["humming_kernels"],
+                 times["humming_prepare_s"], compile_cache.cache_root() or "each library's default cache")
+    return {"compile_torch_s": times["torch_compile_s"], "compile_humming_s": times["humming_prepare_s"]}
 
 
 def _decode_only(chunks) -> bool:

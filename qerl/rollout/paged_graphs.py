@@ -9,6 +9,8 @@ position 0 into slot 0 of the null block and attend over it alone (length 1), an
 step = packed forward over [1, bucket] tokens (attention through the Triton paged kernel) + sample_tokens into a
 static output buffer, so the sampled token and its log-prob never leave the graph. The first step of a bucket runs
 eagerly (Triton compilation, lazy library workspaces), the second captures it; all buckets share one memory pool.
+A bucket already run eagerly in this process under the same `warm_key` (the key less the pool: the engine's next
+rollout, after the update took the pool's memory) is captured at its first step.
 A captured graph reads the weights, the KV pool and the buffers by address: in-place weight updates between calls
 are seen, and the key (weights' storage, adapter switches, pool, table width, sampling knobs) says when it is stale.
 The host fills pinned staging buffers and copies them with three H2D copies, and reads the outputs with one D2H.
@@ -27,6 +29,7 @@ from qerl.rollout.sampling import sample_tokens
 
 log = logging.getLogger("qerl.rollout.paged")
 _SLOW_BUILD_S = 1.0  # a build step slower than this is logged: it compiled something (the layers' code, kernels)
+_WARMED: set = set()  # (warm_key, bucket) run eagerly in this process: its kernels are compiled, workspaces exist
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
@@ -42,9 +45,10 @@ def bucket_sizes(max_rows: int) -> list[int]:
 class DecodeGraphs:
     """Static buffers sized for the largest bucket, and the graphs captured so far (bucket -> CUDAGraph)."""
 
-    def __init__(self, model, pool, sampling, width: int, max_rows: int, key, forward=None):
+    def __init__(self, model, pool, sampling, width: int, max_rows: int, key, forward=None, warm_key=None):
         dev = pool.device
         self.model, self.pool, self.sampling, self.key = model, pool, sampling, key
+        self.warm_key = warm_key
         self.forward = forward or decode_forward  # a torch.compile'd decode_forward, or it
         self.compile_failed = False
         self.buckets = bucket_sizes(max_rows)
@@ -83,7 +87,8 @@ class DecodeGraphs:
             self.stats["graph_replays"] += 1
         else:  # host seconds of steps that compile, warm up or capture (no device sync: launch-side cost)
             start = time.perf_counter()
-            if self.eager_runs.get(size, 0) == 0 or not self.capture_ok:
+            warmed = self.warm_key is not None and (self.warm_key, size) in _WARMED
+            if (self.eager_runs.get(size, 0) == 0 and not warmed) or not self.capture_ok:
                 self._eager(size)
             else:
                 self._capture(size)
@@ -127,6 +132,8 @@ class DecodeGraphs:
         """The step without a graph (on CUDA on a side stream, as a later capture wants its warm-up)."""
         self.eager_runs[size] = self.eager_runs.get(size, 0) + 1
         self.stats["graph_eager_steps"] += 1
+        if self.warm_key is not None:
+            _WARMED.add((self.warm_key, size))
         side = torch.cuda.Stream() if self.capture_ok else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
@@ -150,6 +157,10 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.mempool):
                 self._body(size)
         except Exception as exc:  # noqa: BLE001 - any capture failure: decode eagerly from now on
+            if self.eager_runs.get(size, 0) == 0:  # captured without this object's warm-up: warm up, capture next
+                _WARMED.discard((self.warm_key, size))
+                self._eager(size)
+                return
             warnings.warn(f"PagedEngine: CUDA-graph capture failed ({type(exc).__name__}: {exc}); decoding eagerly",
                           RuntimeWarning, stacklevel=3)
             self.capture_ok = False

@@ -164,3 +164,33 @@ def test_a_forced_kernel_must_be_one_of_the_known_names():
         dispatch.run_fp4_matmul(torch.randn(2, 64), packed, scale, gs, kernel="fused")
     with pytest.raises(QerlError, match="no grad_input"):
         dispatch.run_fp4_matmul_t(torch.randn(2, 48), packed, scale, gs, kernel="cuda")
+
+
+def test_tuning_table_keeps_the_configs_of_the_listed_rows_and_covers_every_m():
+    """tuning_intervals: M runs the config of the smallest listed row count >= M (the largest's beyond it);
+    neighbours with one config merge; None keeps humming's whole table."""
+    from qerl.quant.kernels.humming_fp4 import tuning_intervals
+
+    table = [[0, 8, "a"], [8, 16, "b"], [16, 24, "c"], [24, 32, "d"], [32, 64, "e"], [64, 128, "e2"],
+             [128, 1 << 30, "f"]]
+    got = tuning_intervals(table, (32, 64, 100, 4096))
+    assert got == [[0, 32, "d"], [32, 64, "e"], [64, 100, "e2"], [100, 1 << 30, "f"]]
+
+    def config(tab, m):
+        return next(c for lo, hi, c in tab if lo < m <= hi)
+
+    for m in (1, 17, 32, 33, 64, 65, 100, 101, 5000, 1 << 29):
+        point = min((p for p in (32, 64, 100, 4096) if p >= m), default=4096)
+        assert config(got, m) == config(table, point)
+    assert tuning_intervals(table, (20, 30)) == [[0, 20, "c"], [20, 1 << 30, "d"]]
+    assert tuning_intervals(table, None) == table
+
+
+def test_the_decode_buckets_humming_serves_are_in_its_kernel_table():
+    """Every decode-graph bucket the dispatcher sends to humming runs a kernel compiled for exactly its rows."""
+    from qerl.quant.dispatch import HUMMING_MAX_ROWS, HUMMING_MIN_ROWS, HUMMING_TABLE_ROWS
+    from qerl.rollout.paged_engine import _MAX_BUCKET
+    from qerl.rollout.paged_graphs import bucket_sizes
+
+    served = {b for b in bucket_sizes(_MAX_BUCKET) if HUMMING_MIN_ROWS <= b <= HUMMING_MAX_ROWS}
+    assert served and served <= set(HUMMING_TABLE_ROWS) and max(HUMMING_TABLE_ROWS) == HUMMING_MAX_ROWS

@@ -109,3 +109,31 @@ def test_gpu_compiled_layers_in_captured_graphs_equal_eager_layers(nvfp4_dir, ti
             assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
     assert runs[0].stats["graph_captures"] >= 1 and runs[1].stats["graph_captures"] == 0
     assert decoder_layers(model) and all(m._compiled_call_impl is None for m in model.modules())
+
+
+@pytest.mark.gpu
+def test_gpu_next_rollout_after_sleep_captures_without_warmup_and_decodes_the_same():
+    """A random FP4 + LoRA Qwen2.5-shaped model (24 rows: humming's GEMMs, compiled layers): after sleep() freed
+    the pool, the next call captures each bucket at its first step (no eager warm-up: this process ran it) and
+    decodes the same rows as the first call."""
+    from transformers import AutoTokenizer
+
+    from bench.random_models import attach_lora, build_random_model, qwen25_config
+    from tests.conftest import SHARED
+
+    tok = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen2.5")
+    config = qwen25_config("tiny", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+    model = attach_lora(build_random_model(config, fp4=True, seed=0), r=8, alpha=16, fp4=True,
+                        gradient_checkpointing=False)
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    engine = PagedEngine(model, tok, block_size=16, num_blocks=128, eos_token_ids=(), compile=True)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    first = engine.generate(prompts, 8, params)
+    engine.sleep()
+    second = engine.generate(prompts, 8, params)
+    assert first.stats["graph_eager_steps"] >= 1 and second.stats["graph_eager_steps"] == 0
+    assert second.stats["graph_captures"] >= 1 and second.stats["humming_bytes"] > 0
+    assert second.completion_ids == first.completion_ids
+    for a, b in zip(second.logprobs, first.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-2)

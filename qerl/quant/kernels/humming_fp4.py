@@ -17,16 +17,20 @@ which llmcompressor's fused q/k/v and gate/up scales avoid). Accumulation is FP3
 from __future__ import annotations
 
 import functools
+import json
+import time
 import weakref
 
 import torch
 
 from qerl.quant.kernels.device import capability, device_index
 
-__all__ = ["available", "clear", "copies_nbytes", "dequantize_humming", "drop", "fits", "fp4_matmul_humming",
-           "has_copy", "humming_weight", "refresh_stale"]
+__all__ = ["PREPARE", "available", "clear", "copies_nbytes", "dequantize_humming", "drop", "fits",
+           "fp4_matmul_humming", "has_copy", "humming_weight", "refresh_stale", "tuning_intervals"]
 
 _ATTR = "_qerl_humming"  # the repacked copy, kept on the packed weight tensor itself
+PREPARE = {"seconds": 0.0, "kernels": 0, "layers": 0}  # humming's JIT work in this process (qerl.compile_cache)
+_PREPARED: set = set()  # (layer config, table) strings prepared in this process: later builds hit humming's memo
 
 
 @functools.cache
@@ -35,9 +39,36 @@ def _humming():
     try:
         import humming.layer  # noqa: F401 - registers its schemas and ops
         from humming import dtypes, forward, schema, transform
+        from humming.kernel.humming import HummingKernel
+        from humming.tune import get_heuristics_config
     except Exception:  # ImportError, or its native launcher failing without a driver
         return None
-    return dict(dtypes=dtypes, forward=forward, schema=schema, transform=transform)
+    return dict(dtypes=dtypes, forward=forward, schema=schema, transform=transform, kernel=HummingKernel,
+                heuristics=get_heuristics_config)
+
+
+def tuning_intervals(intervals: list, points: tuple[int, ...] | None) -> list:
+    """humming's per-M kernel table ([m_lo, m_hi, config]: m_lo < M <= m_hi; its heuristics change the config
+    every 8-64 rows up to 8192, 92 kernels per layer shape, ~18 s of nvcc per shape on a cold cache) reduced to
+    the configs of the row counts in `points`: M runs the config of the smallest point >= M (the largest point's
+    beyond it). The decode graphs run exactly their bucket sizes, so listing them loses nothing there. None: the
+    whole table."""
+    if not points:
+        return [list(i) for i in intervals]
+
+    def config_at(m):
+        return next((c for lo, hi, c in intervals if lo < m <= hi), intervals[-1][2])
+
+    table, lo = [], 0
+    for m in sorted(set(points)):
+        cfg = config_at(m)
+        if table and table[-1][2] == cfg:
+            table[-1][1] = m
+        else:
+            table.append([lo, m, cfg])
+        lo = m
+    table[-1][1] = max(table[-1][1], 1 << 30)
+    return table
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -51,7 +82,8 @@ def available(device: torch.device | None = None) -> bool:
 class HummingWeight:
     """One packed NVFP4 weight (up to three stacked along N) in humming's layout, and its layer config."""
 
-    def __init__(self, weight_packed, weight_scale, weight_global_scale, segments, dtype: torch.dtype):
+    def __init__(self, weight_packed, weight_scale, weight_global_scale, segments, dtype: torch.dtype,
+                 rows: tuple[int, ...] | None = None):
         h = _humming()
         n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
         self.key = self._key(weight_packed, weight_scale, weight_global_scale, segments, dtype)
@@ -72,9 +104,29 @@ class HummingWeight:
                 shape_n=n, shape_k=k, weight_schema=wschema, input_schema=ischema, torch_dtype=dtype,
                 device=weight_packed.device, tensors=dict(tensors))
             self.tensors = h["transform"].transform_humming_tensors(self.config, dict(tensors))
+        self.rows = rows
+        self.tuning = self._prepare(h, weight_packed.device)
         self.operands = tuple(weakref.ref(t) for t in (weight_packed, weight_scale, weight_global_scale))
         self.segments = tuple(segments)
         self.locks = torch.zeros(2048, dtype=torch.int32, device=weight_packed.device)  # stream-K state, per weight
+
+    def _prepare(self, h, device) -> str | None:
+        """Compile (or load from HUMMING_CACHE_DIR) this layer's kernels now, timed, rather than inside the first
+        forward that needs them (a graph warm-up step); returns the tuning table its calls pass."""
+        start = time.perf_counter()
+        try:
+            intervals = h["heuristics"](self.config, device=device)
+            table = json.dumps(tuning_intervals(intervals, self.rows))
+            layer = self.config.to_str()
+            ids = h["kernel"].prepare_kernels(layer, None, table, device)
+        except Exception:  # noqa: BLE001 - humming's internals moved: its own lazy path still works
+            return None
+        if (layer, table) not in _PREPARED:
+            _PREPARED.add((layer, table))
+            PREPARE["seconds"] += time.perf_counter() - start
+            PREPARE["kernels"] += len({int(i) for i in ids[2::4]})
+            PREPARE["layers"] += 1
+        return table
 
     @staticmethod
     def _key(weight_packed, weight_scale, weight_global_scale, segments, dtype):
@@ -95,7 +147,7 @@ class HummingWeight:
         t = self.tensors
         return _humming()["forward"].humming_forward(
             self.config, inputs=x2, weight=t["weight"], weight_scale=t.get("weight_scale"),
-            weight_scale_2=t.get("weight_scale_2"), outputs=out, locks=self.locks)
+            weight_scale_2=t.get("weight_scale_2"), outputs=out, locks=self.locks, tuning_config=self.tuning)
 
 
 # packed tensors that carry a copy (for clear/bytes), by id: a WeakSet compares tensors with ==, elementwise
@@ -117,15 +169,17 @@ def _tracked() -> list[torch.Tensor]:
 
 
 def humming_weight(weight_packed, weight_scale, weight_global_scale, segments=None,
-                   dtype: torch.dtype = torch.bfloat16) -> HummingWeight:
+                   dtype: torch.dtype = torch.bfloat16, rows: tuple[int, ...] | None = None) -> HummingWeight:
     """The repacked copy of this packed weight for activations in `dtype`: built on first use, rebuilt (into the
-    same tensors) when any operand was changed in place or replaced."""
+    same tensors) when any operand was changed in place or replaced. `rows`: the row counts whose kernels it
+    compiles (tuning_intervals; None: humming's whole table), fixed by the copy's first build."""
     segments = tuple(segments or (weight_packed.shape[0],))
     held = weight_packed.__dict__.get(_ATTR)
     key = HummingWeight._key(weight_packed, weight_scale, weight_global_scale, segments, dtype)
     if held is not None and held.key == key:
         return held
-    fresh = HummingWeight(weight_packed, weight_scale, weight_global_scale, segments, dtype)
+    fresh = HummingWeight(weight_packed, weight_scale, weight_global_scale, segments, dtype,
+                          held.rows if held is not None else rows)
     if held is not None and held.key[-2:] == key[-2:] and \
             all(held.tensors[n].shape == t.shape for n, t in fresh.tensors.items()):
         held.refresh_from(fresh)

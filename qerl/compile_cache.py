@@ -1,0 +1,81 @@
+"""Where compiled kernels outlive the process: torch.compile (inductor), Triton and humming-kernels under one root.
+
+    where = configure()            # at a stage's start, before anything compiles (qerl.stage.run_main does it)
+    clock = CompileClock(); ...; clock.summary()   # seconds spent compiling since the clock started, by library
+
+The first 7B rollout compiles the decoder layers (inductor), our Triton kernels and humming's JIT GEMMs (nvcc): a
+minute or two on a cold cache, seconds on a warm one. Each library keeps its own cache by default (inductor in
+/tmp, which a cluster node may wipe between jobs); QERL_COMPILE_CACHE=<dir> puts all three under one directory, e.g.
+on a shared filesystem so that every rank, job and node after the first starts warm (as vLLM's torch_compile_cache).
+The default root is ${XDG_CACHE_HOME:-~/.cache}/qerl/compile; QERL_COMPILE_CACHE=off leaves the libraries' own
+defaults. A library variable the user set (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, HUMMING_CACHE_DIR) wins.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from qerl.errors import QerlError
+
+ENV = "QERL_COMPILE_CACHE"
+LIBRARIES = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR", "humming": "HUMMING_CACHE_DIR"}
+
+
+def cache_root(environ=None) -> Path | None:
+    """The directory the three caches live under, or None (QERL_COMPILE_CACHE=off: each library's default)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(ENV, "").strip()
+    if value.lower() == "off":
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".cache")
+    return Path(base).expanduser() / "qerl" / "compile"
+
+
+def configure(environ=None) -> dict[str, str]:
+    """Point each library's cache variable at its directory under cache_root (unless the user set it); returns the
+    directories in use by library. A root that cannot be created is one line naming QERL_COMPILE_CACHE."""
+    environ = os.environ if environ is None else environ
+    root = cache_root(environ)
+    if root is not None:
+        for name, var in LIBRARIES.items():
+            if not environ.get(var):
+                path = root / name
+                try:
+                    path.mkdir(parents=True, exist_ok=True)
+                except OSError as err:
+                    raise QerlError(f"{ENV}: cannot create the compile cache {path} ({err.strerror or err}); set "
+                                    f"{ENV} to a writable directory, or {ENV}=off") from None
+                environ[var] = str(path)
+    return {name: environ.get(var, "(library default)") for name, var in LIBRARIES.items()}
+
+
+def dynamo_compile_seconds() -> float:
+    """Seconds torch.compile has spent compiling in this process (dynamo + inductor), 0 where torch does not say."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return 0.0
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ()) or ()))
+
+
+class CompileClock:
+    """Compile seconds by library since it started: torch.compile from dynamo's own metrics, humming from
+    qerl.quant.kernels.humming_fp4's prepare timer; the rest of a slow first step (Triton JIT, captures) is what the
+    caller's wall clock leaves."""
+
+    def __init__(self):
+        from qerl.quant.kernels import humming_fp4
+
+        self._humming = humming_fp4.PREPARE
+        self.start = time.perf_counter()
+        self.dynamo0 = dynamo_compile_seconds()
+        self.humming0 = dict(self._humming)
+
+    def summary(self) -> dict[str, float]:
+        return {"wall_s": time.perf_counter() - self.start,
+                "torch_compile_s": dynamo_compile_seconds() - self.dynamo0,
+                "humming_prepare_s": self._humming["seconds"] - self.humming0["seconds"],
+                "humming_kernels": self._humming["kernels"] - self.humming0["kernels"]}

@@ -1,0 +1,41 @@
+"""qerl.compile_cache: one root for the inductor, Triton and humming caches; the user's own variables win."""
+from __future__ import annotations
+
+import pytest
+
+from qerl import compile_cache
+from qerl.errors import QerlError
+
+
+def test_default_root_is_under_xdg_cache_home_and_every_library_gets_its_directory(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path / "home")}
+    where = compile_cache.configure(env)
+    root = tmp_path / "xdg" / "qerl" / "compile"
+    assert where == {name: str(root / name) for name in compile_cache.LIBRARIES}
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor") and (root / "humming").is_dir()
+    assert env["TRITON_CACHE_DIR"] == str(root / "triton") and env["HUMMING_CACHE_DIR"] == str(root / "humming")
+
+
+def test_home_is_the_fallback_and_a_named_root_wins(tmp_path):
+    env = {"HOME": str(tmp_path / "home")}
+    assert compile_cache.cache_root(env) == tmp_path / "home" / ".cache" / "qerl" / "compile"
+    env = {"HOME": str(tmp_path / "home"), compile_cache.ENV: str(tmp_path / "shared")}
+    compile_cache.configure(env)
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "shared" / "triton")
+
+
+def test_a_variable_the_user_set_is_kept_and_off_leaves_the_library_defaults(tmp_path):
+    env = {"HOME": str(tmp_path), "TRITON_CACHE_DIR": "/mine"}
+    where = compile_cache.configure(env)
+    assert env["TRITON_CACHE_DIR"] == "/mine" and where["triton"] == "/mine"
+    assert env["HUMMING_CACHE_DIR"].startswith(str(tmp_path))
+    env = {"HOME": str(tmp_path), compile_cache.ENV: "off"}
+    assert compile_cache.configure(env) == dict.fromkeys(compile_cache.LIBRARIES, "(library default)")
+    assert set(env) == {"HOME", compile_cache.ENV}
+
+
+def test_a_root_that_cannot_be_created_is_one_line_naming_the_variable(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(QerlError, match="QERL_COMPILE_CACHE: cannot create the compile cache"):
+        compile_cache.configure({"HOME": str(tmp_path), compile_cache.ENV: str(blocker / "sub")})
