@@ -8,9 +8,9 @@ Layout (one folder per run fingerprint, so a changed config never resumes anothe
 
 The fingerprint is a sha256 over three parts, each a sha256 itself:
   config  the train config section as canonical JSON, minus `save_steps` and `logging_steps` (they only say when to
-          save and log; a resumed run is bit-exact whatever they were) and `num_gpus` (a checkpoint holds the whole
-          trainable state whatever the rank count, gathered from FSDP2 shards in mode full, so a run resumes with
-          another number of ranks);
+          save and log; a resumed run is bit-exact whatever they were), `num_gpus` and `num_nodes` (a checkpoint
+          holds the whole trainable state whatever the rank count, gathered from FSDP2 shards in mode full, so a
+          run resumes with another number of ranks);
   data    the records training reads ({id, question, answer} as qerl.data.load_records returns them, after
           `limit`), so a local file, a parquet directory and a hub dataset are all identified by content;
   model   a content sha256 of every file of the model directory except stage reports (quantize.json): weights,
@@ -50,7 +50,7 @@ _RUN_DIR = re.compile(r"^[0-9a-f]{16}$")
 FINGERPRINT_FILE = "fingerprint.json"
 # keys of the train section that only say when to save and log, or over how many ranks the same batch is split
 # (equal up to float summation order): a checkpoint of one value resumes under another
-NON_DETERMINING_KEYS = ("save_steps", "logging_steps", "num_gpus")
+NON_DETERMINING_KEYS = ("save_steps", "logging_steps", "num_gpus", "num_nodes")
 # optimizer options that say how it computes, not what it holds: a resumed run keeps its own
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 # written beside the weights by stages (timings change on every rerun) and never read by the model loader

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from qerl.config_input import (EXPERIMENT_NAME, MethodName, ModelRef, ResultsDir, Revision, StopString,
                                load_yaml_file)
 from qerl.errors import QerlError
+from qerl.launch import nodes_problem
 
 QuantScheme = Literal["nvfp4", "nvfp4-awq", "mxfp4", "bf16", "nf4"]
 TrainMode = Literal["qlora_fp4", "lora", "qlora_nf4", "full"]
@@ -175,6 +176,7 @@ class TrainConfig(_Section):
     num_gpus: int = Field(1, ge=1, le=8, description="data-parallel ranks on the GPUs of one node (qerl."
                           "distributed): each rolls out and trains on batch_size / num_gpus prompts per step, "
                           "same result as one; > 1 runs under torchrun")
+    num_nodes: int = Field(1, ge=1, le=64, description="nodes of num_gpus ranks, a torchrun on each (qerl.launch)")
     seed: int = 0
 
     @model_validator(mode="after")
@@ -187,13 +189,14 @@ class TrainConfig(_Section):
             raise ValueError("reward_weights needs one weight per entry of rewards")
         if (self.batch_size * self.num_generations) % self.micro_batch_size:
             raise ValueError("micro_batch_size must divide batch_size * num_generations")
-        if self.batch_size % self.num_gpus:
-            raise ValueError(f"num_gpus ({self.num_gpus}) must divide batch_size ({self.batch_size}): each rank "
+        ranks, nodes = self.num_nodes * self.num_gpus, "num_nodes x " * (self.num_nodes > 1)
+        if self.batch_size % ranks:
+            raise ValueError(f"{nodes}num_gpus ({ranks}) must divide batch_size ({self.batch_size}): each rank "
                              "takes whole prompt groups")
-        if (self.batch_size * self.num_generations // self.num_gpus) % self.micro_batch_size:
-            raise ValueError("micro_batch_size must divide batch_size * num_generations / num_gpus (the rows of "
-                             "one rank)")
-        if self.num_gpus > 1 and self.rollout.engine == "vllm":  # vLLM would join torchrun's world itself
+        if (self.batch_size * self.num_generations // ranks) % self.micro_batch_size:
+            raise ValueError(f"micro_batch_size must divide batch_size * num_generations / {nodes}num_gpus (the "
+                             "rows of one rank)")
+        if ranks > 1 and self.rollout.engine == "vllm":  # vLLM would join torchrun's world itself
             raise ValueError("num_gpus > 1 needs rollout.engine torch or paged: a vLLM engine per torchrun rank is not wired "
                              "(it needs vLLM's external_launcher backend)")
         return self
@@ -362,9 +365,10 @@ def check_environment(cfg: Config, where: str) -> None:
     """What a valid config needs installed here (`check`; the trainer raises the same line building its optimizer);
     kept out of parsing, so a GPU-only package missing here does not block the CPU demo."""
     for name, exp in cfg.experiments.items():
-        problem = optimizer_problem(exp.train.optim)
-        if problem:
-            raise QerlError(f"{where}: experiments.{name}.train.optim: {problem}")
+        for key, problem in (("optim", optimizer_problem(exp.train.optim)),
+                             ("num_nodes", nodes_problem(exp.train.num_nodes))):
+            if problem:
+                raise QerlError(f"{where}: experiments.{name}.train.{key}: {problem}")
 
 
 def parse_config(data: dict[str, Any], where: str = "config") -> Config:

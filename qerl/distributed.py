@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 -m qerl.train --experiment demo --model results/demo/quantized \
         --out results/demo/adapter --resume --config config/config.yaml      # train.num_gpus: 2
+    python -m qerl.launch --nodes 2 --nproc-per-node 4 -- --experiment ...  # num_nodes 2: a torchrun per node
 
 Each rank owns whole prompt groups of every step (rows [rank * R, (rank + 1) * R) of the step's B * G rows,
 R = B * G / world_size, so group advantages stay local) and runs its own rollout engine on its own copy of the
@@ -215,14 +216,18 @@ class Replicated:
     restore = None
 
 
-def init_ranks(expected: int) -> Ranks:
+def init_ranks(num_gpus: int, num_nodes: int = 1) -> Ranks:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or the
-    single-process world without one. `expected` is train.num_gpus, which must match the launch."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    single-process world without one. train.num_nodes x train.num_gpus must match the launch."""
+    world, expected = int(os.environ.get("WORLD_SIZE", "1")), num_nodes * num_gpus
     if world != expected:
-        launch = "python -m qerl.train" if expected == 1 else f"torchrun --standalone --nproc-per-node {expected} " \
-                 "-m qerl.train"
-        raise QerlError(f"train.num_gpus is {expected} but this process was launched as one of {world} rank(s): "
+        launch, what = f"torchrun --standalone --nproc-per-node {num_gpus} -m qerl.train", f"train.num_gpus is {num_gpus}"
+        if expected == 1:
+            launch = "python -m qerl.train"
+        elif num_nodes > 1:
+            launch = f"python -m qerl.launch --nodes {num_nodes} --nproc-per-node {num_gpus} -- ..."
+            what = f"train.num_nodes x num_gpus is {num_nodes} x {num_gpus}"
+        raise QerlError(f"{what} but this process was launched as one of {world} rank(s): "
                         f"run {launch} (the workflow's train rule does)")
     if world == 1:
         return SINGLE
@@ -230,7 +235,8 @@ def init_ranks(expected: int) -> Ranks:
     if torch.cuda.is_available():
         if local >= torch.cuda.device_count():
             raise QerlError(f"rank {rank}: LOCAL_RANK {local} but this node shows {torch.cuda.device_count()} "
-                            f"GPU(s); train.num_gpus {world} needs as many (CUDA_VISIBLE_DEVICES?)")
+                            f"GPU(s); train.num_gpus {os.environ.get('LOCAL_WORLD_SIZE', world)} needs as many "
+                            "(CUDA_VISIBLE_DEVICES?)")
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s()),
                                 device_id=torch.device("cuda", local))

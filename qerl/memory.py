@@ -6,7 +6,7 @@ Per rank, for the Qwen2.5 shapes of `model_size` (SmolLM2-135M for 0.1B); S = ma
 max_completion_length, the longest row; D = bytes of train.dtype (4 for float32, else 2):
   weights      linear layers x the scheme's bytes per parameter (bf16: D; nvfp4: 4.5 bits; mxfp4: 4.25; nf4:
                4.127) + embeddings and lm_head in D bytes. mode full: every parameter x 4 D (weight, gradient and
-               AdamW's two states in the model's dtype) / num_gpus: FSDP2 shards them over the ranks (qerl.fsdp)
+               AdamW's two states in the model's dtype) / N ranks (num_nodes x num_gpus): FSDP2 shards them
   adapter      LoRA parameters (r x (in + out) of each target projection of each layer) x 16 (fp32 weight,
                gradient and AdamW's two states)
   rollout      torch engine: its static KV cache holds every row of the rank at once, rows x S x 2 x layers x
@@ -22,15 +22,16 @@ max_completion_length, the longest row; D = bytes of train.dtype (4 for float32,
                x 12 bytes: fp32 log-softmax, its gradient and the entropy buffer)
   overhead     3 GiB (CUDA context, allocator slack, NCCL buffers)
 total = weights + adapter + rollout + max(gathered, activations) + overhead.
-A card is taken as 80 GiB. The estimate is rough (within tens of percent); it exists to refuse what cannot fit,
-and to name how many GPUs an experiment needs.
+A card is taken as 80 GiB, a node as 8 of them. The estimate is rough (within tens of percent); it exists to refuse
+what cannot fit, and to name how many GPUs (and nodes) an experiment needs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 GPU_GIB = 80.0
-MAX_GPUS_PER_NODE = 8  # train runs on one node (torchrun --standalone)
+MAX_GPUS_PER_NODE = 8  # train.num_gpus: the ranks of one node
+MAX_NODES = 64  # train.num_nodes
 OVERHEAD_GIB = 3.0
 _GIB = 2**30
 _BITS = {"nvfp4": 4.5, "nvfp4-awq": 4.5, "mxfp4": 4.25, "nf4": 4.127}  # 4-bit codes + their block scales
@@ -73,18 +74,24 @@ SHAPES = {  # config.json of each Qwen2.5-*-Instruct (and SmolLM2-135M-Instruct 
 }
 
 
-def rank_memory_gib(shape: Shape, scheme: str, train, num_gpus: int) -> dict[str, float]:
-    """The estimate's terms (GiB) for one of `num_gpus` ranks; `train` is a qerl.config.TrainConfig."""
+def ranks_of(train) -> int:
+    """Every node's ranks: the data-parallel world of a qerl.config.TrainConfig."""
+    return train.num_nodes * train.num_gpus
+
+
+def rank_memory_gib(shape: Shape, scheme: str, train, ranks: int) -> dict[str, float]:
+    """The estimate's terms (GiB) for one of `ranks` ranks in all (over every node); `train` is a
+    qerl.config.TrainConfig."""
     d = 4 if train.dtype == "float32" else 2
     tokens = train.max_prompt_length + train.max_completion_length
     params = shape.linear_params + shape.embedding_params
-    sharded = train.mode == "full" and num_gpus > 1
+    sharded = train.mode == "full" and ranks > 1
     gathered = params * d if sharded else 0.0
     # what FSDP holds unsharded during the update: the root unit (embeddings, lm_head) and a layer plus the
     # prefetched next one, each with its gradient before the reduce-scatter
     units = (shape.embedding_params + 2 * shape.linear_params / shape.layers) * 2 * d if sharded else 0.0
     if train.mode == "full":
-        weights = params * 4 * d / num_gpus
+        weights = params * 4 * d / ranks
         adapter = 0.0
     else:
         weights = shape.linear_params * (_BITS[scheme] / 8 if scheme in _BITS else d) + shape.embedding_params * d
@@ -96,7 +103,7 @@ def rank_memory_gib(shape: Shape, scheme: str, train, num_gpus: int) -> dict[str
     elif train.rollout.engine == "paged":
         rollout = 0.0
     else:
-        rows = train.batch_size * train.num_generations // num_gpus
+        rows = train.batch_size * train.num_generations // ranks
         rollout = rows * tokens * 2 * shape.layers * shape.kv_heads * shape.head_dim * d
     layer = (6 * shape.hidden + 4 * shape.intermediate / train.mlp_chunks) * d
     if train.gradient_checkpointing:
@@ -122,37 +129,49 @@ def valid_gpu_counts(train, limit: int = MAX_GPUS_PER_NODE) -> list[int]:
             if train.batch_size % n == 0 and (rows // n) % train.micro_batch_size == 0]
 
 
-def gpus_needed(shape: Shape, scheme: str, train) -> int | None:
-    """The fewest GPUs of one node whose ranks each fit a card, or None when no count up to 8 does."""
-    for n in valid_gpu_counts(train):
+def gpus_needed(shape: Shape, scheme: str, train) -> tuple[int, int] | None:
+    """The fewest ranks that each fit a card, as (nodes, GPUs per node) with at most 8 on a node and the fewest
+    nodes; None when no layout up to MAX_NODES nodes does."""
+    for n in valid_gpu_counts(train, MAX_GPUS_PER_NODE * MAX_NODES):
         if rank_memory_gib(shape, scheme, train, n)["total"] <= GPU_GIB:
-            return n
+            nodes = -(-n // MAX_GPUS_PER_NODE)
+            while n % nodes:
+                nodes += 1
+            return nodes, n // nodes
     return None
 
 
+def _layout(train) -> str:
+    return f"num_gpus {train.num_gpus}" if train.num_nodes == 1 else \
+        f"num_nodes x num_gpus {train.num_nodes} x {train.num_gpus}"
+
+
 def check_fits(model_size: str | None, scheme: str, train) -> None:
-    """Raise ValueError naming the GPUs needed when the experiment cannot fit train.num_gpus cards; experiments
-    without a model_size of known shape are not estimated."""
-    if train.mode == "full" and train.num_gpus > 1 and getattr(train, "optim", "adamw_torch") != "adamw_torch":
-        raise ValueError(f"mode full on {train.num_gpus} GPUs shards the optimizer states with FSDP2 (qerl/fsdp.py), "
+    """Raise ValueError naming the GPUs needed when the experiment cannot fit its num_nodes x num_gpus cards;
+    experiments without a model_size of known shape are not estimated."""
+    if train.mode == "full" and ranks_of(train) > 1 and getattr(train, "optim", "adamw_torch") != "adamw_torch":
+        raise ValueError(f"mode full on {ranks_of(train)} GPUs shards the optimizer states with FSDP2 (qerl/fsdp.py), "
                          f"which train.optim {train.optim}'s 8-bit states do not support: set optim: adamw_torch")
     shape = SHAPES.get(model_size or "")
     if shape is None:
         return
-    est = rank_memory_gib(shape, scheme, train, train.num_gpus)
+    est = rank_memory_gib(shape, scheme, train, ranks_of(train))
     if est["total"] <= GPU_GIB:
         if train.rollout.engine == "paged":
             _check_pool_holds_a_row(shape, train, est)
         return
     parts = ", ".join(f"{k} {est[k]:.0f}" for k in ("weights", "adapter", "rollout", "gathered", "activations")
                       if k != "gathered" or est[k])
-    head = (f"needs ~{est['total']:.0f} GiB per GPU with num_gpus {train.num_gpus} ({parts} GiB; "
+    head = (f"needs ~{est['total']:.0f} GiB per GPU with {_layout(train)} ({parts} GiB; "
             f"qerl/memory.py), more than an {GPU_GIB:.0f} GiB card")
     need = gpus_needed(shape, scheme, train)
     if need is not None:
-        raise ValueError(f"{head}: set num_gpus: {need}")
-    raise ValueError(f"{head}, and no num_gpus up to {MAX_GPUS_PER_NODE} (one node) fits: lower micro_batch_size, "
-                     "max_completion_length or batch_size, or use gradient_checkpointing / offload_activations")
+        nodes, per_node = need
+        raise ValueError(f"{head}: set " + (f"num_gpus: {per_node}" if nodes == train.num_nodes == 1 else
+                                            f"num_nodes: {nodes} and num_gpus: {per_node}"))
+    raise ValueError(f"{head}, and no layout up to {MAX_NODES} nodes of {MAX_GPUS_PER_NODE} GPUs fits: lower "
+                     "micro_batch_size, max_completion_length or batch_size, or use gradient_checkpointing / "
+                     "offload_activations")
 
 
 def _check_pool_holds_a_row(shape: Shape, train, est: dict[str, float]) -> None:
@@ -181,7 +200,7 @@ _COLUMNS = ("weights", "adapter", "rollout", "activations")
 
 def report_header() -> str:
     return (f"{'experiment':32s} {'runs on':7s} {'ranks':>5s} {'GiB/rank':>8s}  "
-            + " ".join(f"{c:>11s}" for c in _COLUMNS) + f"  GPUs needed ({GPU_GIB:.0f} GiB cards)")
+            + " ".join(f"{c:>11s}" for c in _COLUMNS) + f"  GPUs needed ({GPU_GIB:.0f} GiB cards; NxG: N nodes of G)")
 
 
 def report_line(name: str, model_size: str | None, scheme: str, train) -> str | None:
@@ -190,10 +209,11 @@ def report_line(name: str, model_size: str | None, scheme: str, train) -> str | 
     shape = SHAPES.get(model_size or "")
     if shape is None:
         return None
-    est = rank_memory_gib(shape, scheme, train, train.num_gpus)
+    est = rank_memory_gib(shape, scheme, train, ranks_of(train))
     terms = " ".join(f"{est[c]:11.1f}" for c in _COLUMNS)
     if not needs_gpu(model_size):
-        return f"{name:32s} {'CPU':7s} {train.num_gpus:5d} {est['total']:8.1f}  {terms}  none (host memory)"
+        return f"{name:32s} {'CPU':7s} {ranks_of(train):5d} {est['total']:8.1f}  {terms}  none (host memory)"
     need = gpus_needed(shape, scheme, train)
-    return (f"{name:32s} {'GPU':7s} {train.num_gpus:5d} {est['total']:8.1f}  {terms}  "
-            f"{need if need is not None else '>' + str(MAX_GPUS_PER_NODE)}")
+    shown = f">{MAX_NODES}x{MAX_GPUS_PER_NODE}" if need is None else str(need[1]) if need[0] == 1 else \
+        f"{need[0]}x{need[1]}"  # nodes x GPUs per node
+    return f"{name:32s} {'GPU':7s} {ranks_of(train):5d} {est['total']:8.1f}  {terms}  {shown}"

@@ -94,7 +94,7 @@ def _setup_model(cfg, model_dir: str):
     from qerl.trainer import resolve_device_dtype
 
     device, dtype = resolve_device_dtype(cfg.dtype)
-    if cfg.mode == "full" and cfg.num_gpus > 1:  # FSDP2 moves each unit's shards to the GPU as it shards it
+    if cfg.mode == "full" and cfg.num_nodes * cfg.num_gpus > 1:  # FSDP2 moves each unit's shards to the GPU
         device = "cpu"
     elif device == "cuda":  # this rank's GPU (qerl.distributed set it), also for loaders that read "cuda" as cuda:0
         import torch
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from qerl.distributed import close, init_ranks
 
-    ranks = init_ranks(cfg.num_gpus)
+    ranks = init_ranks(cfg.num_gpus, cfg.num_nodes)
     if not ranks.is_main:  # one log: rank 0's
         logging.getLogger().setLevel(logging.WARNING)
     if ranks.enabled:

@@ -58,6 +58,9 @@ def test_config_digest_ignores_only_when_to_save_and_log():
     base = parse_section("train", {"data": {"source": "x.jsonl"}}).model_dump(mode="json")
     same = {**base, "save_steps": base["save_steps"] + 7, "logging_steps": base["logging_steps"] + 3}
     assert config_digest(same) == config_digest(base)
+    # a run resumes on other nodes and GPUs; a checkpoint written before num_nodes existed keeps its fingerprint
+    assert config_digest({**base, "num_nodes": 2, "num_gpus": 4}) == config_digest(base)
+    assert config_digest({k: v for k, v in base.items() if k != "num_nodes"}) == config_digest(base)
     for changed in ({**base, "learning_rate": base["learning_rate"] * 2},
                     {**base, "lora": {**base["lora"], "lora_r": base["lora"]["lora_r"] + 1}},
                     {**base, "data": {**base["data"], "limit": 3}},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -179,6 +180,99 @@ def test_a_killed_rank_ends_the_job_and_one_rank_resumes_it(nvfp4_dir, task, one
     assert "resumed from" in resumed.stderr
     _assert_same_adapter(one_rank(), tmp_path / "out")
     assert [h["reward"] for h in _history(tmp_path / "out")] == [h["reward"] for h in _history(one_rank())]
+
+
+def _nodes(model: Path, out: Path, ckpt: Path, results: Path, cfg: dict, port: int) -> list[list[str]]:
+    """Each 'node' of 2: qerl.launch, as on a node outside SLURM (a torchrun with --nnodes 2 and 2 ranks, meeting the
+    other in a c10d rendezvous on 127.0.0.1; ranks are numbered by the rendezvous, so node ranks are not given)."""
+    train = _cmd(1, model, out, ckpt, results, cfg)[3:]
+    return [[sys.executable, "-m", "qerl.launch", "--nodes", "2", "--nproc-per-node", "2", "--", *train]] * 2
+
+
+def _node_env(task: Path, port: int) -> dict:
+    env = _env(task, QERL_RDZV_ENDPOINT=f"127.0.0.1:{port}")
+    return {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else None
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid is not None:
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        found.extend(kids := children.get(todo.pop(), []))
+        todo.extend(kids)
+    return found
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Until the first node's torchrun hosts the rendezvous store, so the second is never its host."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError("the first node's rendezvous store never listened")
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_train_the_one_rank_adapter(nvfp4_dir, task, one_rank, tmp_path):
+    """2 nodes x 2 ranks (two torchruns, --nnodes 2, c10d rendezvous) train what one process trains."""
+    port = _free_port()
+    cfg = _train_config(task, 2, num_nodes=2)
+    procs = [subprocess.Popen(cmd, env=_node_env(task, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+             for cmd in _nodes(nvfp4_dir, tmp_path / "out", tmp_path / "ck", tmp_path / "res", cfg, port)]
+    done = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in done]
+    assert all("--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d" in err for _, err in done)
+    _assert_same_adapter(one_rank(), tmp_path / "out")
+    one, four = _history(one_rank()), _history(tmp_path / "out")
+    assert len(four) == 3
+    for a, b in zip(one, four):
+        assert {k: b[k] for k in EXACT_METRICS} == {k: a[k] for k in EXACT_METRICS}
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert "".join(err for _, err in done).count("data parallel over 4 ranks") == 1  # rank 0 alone logs
+
+
+@pytest.mark.slow
+def test_a_killed_node_ends_the_job_in_one_line_and_one_rank_resumes_it(nvfp4_dir, task, one_rank, tmp_path):
+    """kill -9 of a whole node (its torchrun and both its ranks) mid-run: the other node's ranks stop within seconds
+    with one error line; --resume as one process completes and equals the uninterrupted run."""
+    port, ck = _free_port(), tmp_path / "ck"
+    first, second = _nodes(nvfp4_dir, tmp_path / "out", ck, tmp_path / "res", _train_config(task, 2, num_nodes=2),
+                           port)
+    survivor = subprocess.Popen(first, env=_node_env(task, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    _wait_listening(port, survivor)
+    victim = subprocess.Popen(second, env=_node_env(task, port), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.time() + 200
+    while not list(ck.glob("*/step-000001")) and survivor.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert survivor.poll() is None and victim.poll() is None, "training finished before a node could be killed"
+    for pid in [victim.pid, *_descendants(victim.pid)]:  # torchrun starts its workers in sessions of their own
+        os.kill(pid, signal.SIGKILL)
+    t0 = time.time()
+    output, _ = survivor.communicate(timeout=120)
+    victim.wait(timeout=10)
+    assert survivor.returncode != 0 and time.time() - t0 < 30, (time.time() - t0, output[-3000:])
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert errors and all(re.match(r"error: rank \d of 4: .* failed \(.*\): another rank died or hung", e)
+                          for e in errors), output[-3000:]
+    assert not (tmp_path / "out").exists()
+
+    resumed = subprocess.run(_cmd(1, nvfp4_dir, tmp_path / "out", ck, tmp_path / "res", _train_config(task, 1)),
+                             env=_env(task), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    _assert_same_adapter(one_rank(), tmp_path / "out")
 
 
 # ------------------------------------------------------------------ the collectives, without a model

@@ -153,8 +153,27 @@ def needs_gpu_arg(wildcards):
 
 
 def train_gpus(wildcards):
-    """One GPU per data-parallel rank of the train job (train.num_gpus); none for CPU-sized experiments."""
-    return 0 if gpus(wildcards) == 0 else exp(wildcards).train.num_gpus
+    """One GPU per data-parallel rank of a one-node train job (train.num_gpus; --gpus counts the job's GPUs); none
+    for CPU-sized experiments; unset for several nodes, whose GPUs are asked per node (multi_node's gres)."""
+    t = exp(wildcards).train
+    return 0 if gpus(wildcards) == 0 else t.num_gpus if t.num_nodes == 1 else None
+
+
+def multi_node(key):
+    """A train job over train.num_nodes nodes as the SLURM executor plugin runs a multi-node (its `mpi`) job: one
+    task per node, the rule's command run once on the first node, where qerl.launch starts srun (the plugin wraps
+    no srun of its own around it), --gres gpu:<num_gpus> on each node (--gpus would count the job's GPUs,
+    however spread); tasks_per_gpu 0 stops the plugin from turning tasks into --ntasks-per-gpu. None (unset) for
+    one node, so one-node jobs are submitted as before."""
+
+    def value(wildcards):
+        t = exp(wildcards).train
+        if t.num_nodes == 1:
+            return None
+        return {"nodes": t.num_nodes, "tasks": t.num_nodes, "tasks_per_gpu": 0, "mpi": "srun",
+                "gres": f"gpu:{t.num_gpus}" if gpus(wildcards) else None}[key]
+
+    return value
 
 
 def mem_mb_quantize(wildcards):
@@ -166,7 +185,7 @@ def mem_mb_train(wildcards):
 
 
 def mem_mb_train_job(wildcards):
-    # every rank is a process loading its own copy of the model
+    # every rank is a process loading its own copy of the model; SLURM's --mem is per node
     return mem_mb_train(wildcards) * exp(wildcards).train.num_gpus
 
 
