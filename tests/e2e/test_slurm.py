@@ -2,8 +2,9 @@
 
 Proves each stage ran as its own SLURM job (the executor's per-job SLURM log, and the job's final state from
 sacct, or slurmctld's job-completion log, or squeue's history), that the train job ran data parallel over 2
-processes (train.num_gpus 2: torchrun inside the job, gloo on a node without GPUs), and that a failed or killed job
-is retried per profile until the workflow completes. Skipped where `sinfo` does not answer.
+processes (train.num_gpus 2: torchrun inside the job, gloo on a node without GPUs), that train.num_nodes 2 runs a
+torchrun per 'node' under srun (two tasks standing for two nodes), and that a failed or killed job is retried per
+profile until the workflow completes. Skipped where `sinfo` does not answer.
 """
 from __future__ import annotations
 
@@ -146,6 +147,37 @@ def test_the_train_job_ran_two_ranks_under_torchrun(slurm_pipeline):
     job_log = next((work / ".snakemake" / "slurm_logs").rglob(f"{jobid}.log")).read_text()
     assert "-m torch.distributed.run --standalone --nproc-per-node 2 -m qerl.train" in job_log, job_log[-2000:]
     train_log = (work / "logs" / "tiny" / "train.log").read_text()
+    assert "data parallel over 2 ranks (torch.distributed backend gloo" in train_log, train_log[-2000:]
+    assert train_log.count("step 3/3:") == 1  # rank 0 alone logs
+
+
+def test_several_nodes_run_a_torchrun_each_under_srun(slurm_pipeline, tmp_path):
+    """train.num_nodes 2 x num_gpus 1 on the single-node SLURM, in a copy of the pipeline's folder (only train
+    reruns): the job asks for 2 tasks (nodes=1 set for this one-node cluster, where a job without GPUs may stack
+    its 'nodes'), the rule runs qerl.launch, whose srun starts 2 torchruns with --nnodes 2 meeting in a c10d
+    rendezvous on the job's first node, and they train as 2 ranks."""
+    work = tmp_path / "work"
+    shutil.copytree(slurm_pipeline[0], work, symlinks=True,
+                    ignore=shutil.ignore_patterns("slurm_logs", "locks", "incomplete"))
+    cfg = yaml.safe_load((work / "config" / "config.yaml").read_text())
+    cfg["experiments"]["tiny"]["train"].update(num_nodes=2, num_gpus=1)
+    (work / "config" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    proc = snakemake(work, "results/tiny/adapter", "--forcerun", "train", "--set-resources", "train:nodes=1",
+                     "train:mem_mb=2000", "train:runtime=15", "train:gpu=0")
+    train_log = (work / "logs" / "tiny" / "train.log").read_text() if (work / "logs" / "tiny" / "train.log").is_file() \
+        else ""
+    assert proc.returncode == 0, proc.stderr[-4000:] + train_log[-4000:]
+    jobs = slurm_jobs(work)
+    assert set(jobs) == {"train"} and len(jobs["train"]) == 1, jobs
+    (jobid,) = jobs["train"]
+    assert job_states([jobid]) == {jobid: "COMPLETED"}
+    job_log = next((work / ".snakemake" / "slurm_logs").rglob(f"{jobid}.log")).read_text()
+    assert "-m qerl.launch --nodes 2 --nproc-per-node 1 -- --experiment tiny" in job_log, job_log[-2000:]
+    launched = next(line for line in train_log.splitlines() if line.startswith("qerl.launch: "))
+    assert launched.startswith("qerl.launch: srun --nodes 1 --ntasks 2 --ntasks-per-node 2 --cpus-per-task=1 "
+                               "--kill-on-bad-exit=1 "), launched
+    assert re.search(rf"-m torch.distributed.run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint "
+                     rf"\S+:{20000 + int(jobid) % 10000} --rdzv-id {jobid} -m qerl.train ", launched), launched
     assert "data parallel over 2 ranks (torch.distributed backend gloo" in train_log, train_log[-2000:]
     assert train_log.count("step 3/3:") == 1  # rank 0 alone logs
 
