@@ -168,9 +168,14 @@ def _pyplot():
 def plot_accuracy(doc: dict, out_png: str | Path) -> Path:
     """Horizontal bars of the accuracies with their 95% intervals, labelled with the numbers."""
     plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(accuracy_rows(doc))))
+    _draw_accuracy(ax, doc)
+    return _save(fig, plt, out_png)
+
+
+def _draw_accuracy(ax, doc: dict) -> None:
     rows = accuracy_rows(doc)[::-1]  # matplotlib draws the first bar at the bottom
     colors = {"base": "#9e9e9e", "quantized_base": "#6baed6", "trained": "#e6550d"}
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(rows)))
     ys = range(len(rows))
     acc = [100 * r["accuracy"] for r in rows]
     err = [[100 * (r["accuracy"] - r["ci95"][0]) for r in rows], [100 * (r["ci95"][1] - r["accuracy"]) for r in rows]]
@@ -184,6 +189,17 @@ def plot_accuracy(doc: dict, out_png: str | Path) -> Path:
     ax.set_xlabel("accuracy % (bars: 95% interval)")
     ax.set_title(f"{doc['experiment']}: accuracy", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
+
+
+def plot_summary(doc: dict, metrics: dict[str, list[float]], out_png: str | Path) -> Path:
+    """The run in one image (README's): the accuracy bars beside the reward curve."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, max(3.2, 1.2 + 0.45 * len(accuracy_rows(doc)))),
+                                      gridspec_kw={"width_ratios": [1.15, 1]})
+    _draw_accuracy(left, doc)
+    if not _draw_curve(right, metrics, "reward"):
+        right.text(0.5, 0.5, "no reward was logged", ha="center", va="center")
+        right.set_axis_off()
     return _save(fig, plt, out_png)
 
 
@@ -312,14 +328,15 @@ def _save(fig, plt, out_png: str | Path) -> Path:
 
 # ------------------------------------------------------------------------------------------ entry points
 def render(experiment: str, eval_json: str | Path, metrics_csv: str | Path, out_dir: str | Path) -> list[Path]:
-    """Write accuracy.html, accuracy.png, training_curves.png and landing.html under out_dir (replaced whole,
-    atomically); returns the files, relative to out_dir."""
+    """Write accuracy.html, accuracy.png, training_curves.png, summary.png and landing.html under out_dir (replaced
+    whole, atomically); returns the files, relative to out_dir."""
     doc = load_eval_json(eval_json)
     metrics = read_metrics(metrics_csv)
     with atomic_dir(out_dir) as tmp:
         (tmp / "accuracy.html").write_text(accuracy_html(doc), encoding="utf-8")
         plot_accuracy(doc, tmp / "accuracy.png")
         plot_training_curves(metrics, tmp / "training_curves.png", experiment)
+        plot_summary(doc, metrics, tmp / "summary.png")
         (tmp / "landing.html").write_text(landing_html(doc, tmp / "training_curves.png"), encoding="utf-8")
         written = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
     return written

@@ -72,8 +72,8 @@ def test_the_table_holds_each_accuracy_with_its_interval(eval_json):
 def test_render_writes_the_table_the_chart_one_curves_figure_and_the_landing_page(eval_json, metrics_csv, tmp_path):
     out = tmp_path / "report"
     written = {str(p) for p in render("demo", eval_json, metrics_csv, out)}
-    assert written == {"accuracy.html", "accuracy.png", "training_curves.png", "landing.html"}  # no page per curve
-    for name in ("accuracy.png", "training_curves.png"):
+    assert written == {"accuracy.html", "accuracy.png", "training_curves.png", "landing.html", "summary.png"}
+    for name in ("accuracy.png", "training_curves.png", "summary.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert b"<table>" in (out / "accuracy.html").read_bytes()
     assert read_metrics(metrics_csv)["step"] == [1.0, 2.0, 3.0]
@@ -169,3 +169,19 @@ def test_a_missing_input_is_one_line(eval_json, tmp_path, capsys):
     with pytest.raises(QerlError, match="no 'step' column"):
         (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
         read_metrics(tmp_path / "bad.csv")
+
+
+def test_the_summary_is_the_accuracy_bars_beside_the_reward_curve(eval_json, metrics_csv, tmp_path, monkeypatch):
+    import qerl.report as report
+    from qerl.evaluation import load_eval_json
+
+    figures = []
+    real_save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, plt, out: figures.append(fig) or real_save(fig, plt, out))
+    doc, metrics = load_eval_json(eval_json), read_metrics(metrics_csv)
+    report.plot_summary(doc, metrics, tmp_path / "summary.png")
+    left, right = figures[0].axes
+    bars = sorted(p.get_width() for p in left.patches)
+    assert bars == sorted(100 * r["accuracy"] for r in accuracy_rows(doc))
+    reward = report._columns(metrics, CURVES["reward"][2])[0]
+    assert right.get_title() == CURVES["reward"][0] and list(right.lines[0].get_ydata()) == metrics[reward]

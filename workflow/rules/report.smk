@@ -10,7 +10,8 @@ def report_dir(experiment):
 
 def report_files(experiment):
     d = report_dir(experiment)
-    return [f"{d}/accuracy.html", f"{d}/accuracy.png", f"{d}/training_curves.png", f"{d}/landing.html"]
+    return [f"{d}/accuracy.html", f"{d}/accuracy.png", f"{d}/training_curves.png", f"{d}/landing.html",
+            f"{d}/summary.png"]
 
 
 rule experiment_report:
@@ -25,6 +26,7 @@ rule experiment_report:
         curves=report(f"{report_dir('{experiment}')}/training_curves.png", caption="../report/curve.rst",
                       category="Training curves", labels={"experiment": "{experiment}", "figure": "curves"}),
         landing=f"{report_dir('{experiment}')}/landing.html",
+        summary=f"{report_dir('{experiment}')}/summary.png",  # accuracy beside reward: the README's image
     params:
         metrics=str(LAYOUT.metrics_csv("{experiment}")),
         out=report_dir("{experiment}"),
