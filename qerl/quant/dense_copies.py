@@ -10,8 +10,15 @@ call), while below qerl.quant.linear.DENSE_COPY_MIN_ROWS the FP4 kernels read 4x
 rollout with many rows keeps one dequantized copy per layer for its duration (the same values the dense path
 computes on each call: results are unchanged) and gives it back before the update; training forwards (autograd
 on) never use it. Grouped projections (qerl.quant.grouped) get one stacked copy; members hold views of it.
+
+On the CPU there is no FP4 kernel: every call dequantizes its whole weight (qerl.quant.reference), about half of
+the demo's rollout. So CPU rollouts and evaluations keep copies at any row count (`cpu_copies_fit`: when they take
+at most a quarter of the available host memory); the GEMM on a copy is the reference's own GEMM on the same values.
 """
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 from torch import nn
@@ -57,3 +64,42 @@ def detach_dense_copies(model: nn.Module, groups=()) -> None:
         group.dense = None
     for module in model.modules():
         module.__dict__.pop(_ATTR, None)
+
+
+_HOST_FRACTION = 0.25  # of the available host memory a CPU rollout's dense copies may take
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else free pages x page size where the OS says, else None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cpu_copies_fit(model: nn.Module, dtype: torch.dtype) -> bool:
+    """A CPU model has NVFP4 weights whose dense copies in `dtype` fit the host memory rule."""
+    need = dense_copy_bytes(model, dtype)
+    free = available_host_bytes() if need else None
+    return bool(need) and free is not None and need <= _HOST_FRACTION * free
+
+
+@contextlib.contextmanager
+def cpu_dense_copies(model: nn.Module, groups, dtype: torch.dtype):
+    """Dense copies of a CPU model's NVFP4 weights for the duration of one generate call, when they fit; yields
+    whether they were made."""
+    made = next(model.parameters()).device.type == "cpu" and cpu_copies_fit(model, dtype)
+    if made:
+        attach_dense_copies(model, groups, dtype)
+    try:
+        yield made
+    finally:
+        if made:
+            detach_dense_copies(model, groups)

@@ -20,6 +20,13 @@ DENSE_COPY_MIN_ROWS = TMA_DENSE_MIN_ROWS  # from here choose_kernel itself dequa
 _FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
+def dense_copy_used(device_type: str, rows: int) -> bool:
+    """Whether an inference call of `rows` rows on this device reads a rollout's dense copy: from
+    DENSE_COPY_MIN_ROWS rows on a GPU (fewer: the FP4 kernels read 4x fewer bytes), always on the CPU (no FP4 kernel:
+    the reference would dequantize the whole weight on every call)."""
+    return device_type == "cpu" or rows >= DENSE_COPY_MIN_ROWS
+
+
 class FP4LinearFunction(torch.autograd.Function):
     """y = x @ deq(W).T + b, with W rebuilt from its packed form in forward and again in backward."""
 
@@ -111,11 +118,12 @@ class FP4Linear(nn.Module):
 
     def dense_copy_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The rollout's dense copy of the weight when this call should use it: inference (no autograd), x in
-        the copy's dtype, at least DENSE_COPY_MIN_ROWS rows (fewer: the FP4 kernels read 4x fewer bytes)."""
+        the copy's dtype, at least DENSE_COPY_MIN_ROWS rows (fewer: the FP4 kernels read 4x fewer bytes), any
+        rows on the CPU (no FP4 kernel there: the reference dequantizes the whole weight on every call)."""
         weight = self.__dict__.get(DENSE_COPY_ATTR)
         if weight is None or torch.is_grad_enabled() or x.dtype != weight.dtype:
             return None
-        return weight if x.numel() // max(x.shape[-1], 1) >= DENSE_COPY_MIN_ROWS else None
+        return weight if dense_copy_used(x.device.type, x.numel() // max(x.shape[-1], 1)) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dense_copy_for(x)

@@ -23,7 +23,8 @@ import torch
 from qerl import compile_cache
 from qerl.compile_cache import CompileClock
 from qerl.errors import QerlError
-from qerl.quant.dense_copies import attach_dense_copies, dense_copy_bytes, detach_dense_copies
+from qerl.quant.dense_copies import (attach_dense_copies, available_host_bytes, cpu_copies_fit, dense_copy_bytes,
+                                     detach_dense_copies)
 from qerl.quant.dispatch import HUMMING_MIN_ROWS, fp4_humming_mode
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
 from qerl.quant.humming_copies import attach_humming_copies, detach_humming_copies, humming_copy_bytes
@@ -210,6 +211,12 @@ class PagedEngine(RolloutEngine):
         if not need:
             return
         if self.dense_weights == "auto":
+            if self.device.type == "cpu":  # no FP4 kernel: each call would dequantize its whole weight
+                self.dense_check = dict(need=need, free=available_host_bytes() or 0,
+                                        kept=cpu_copies_fit(self.model, compute_dtype(self.model)))
+                if self.dense_check["kept"]:
+                    self.dense_bytes = attach_dense_copies(self.model, self._groups, compute_dtype(self.model))
+                return
             if self.device.type != "cuda" or rows < DENSE_COPY_MIN_ROWS:
                 self.dense_check = dict(need=need, free=0, kept=False)  # too few rows, or not CUDA
                 return

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from qerl.errors import QerlError
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
+from qerl.quant.dense_copies import cpu_dense_copies
 from qerl.quant.kernels import humming_fp4
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
 from qerl.rollout.kv_pool import expandable_segments
@@ -99,7 +100,9 @@ class TorchEngine(RolloutEngine):
         rows: list[tuple[list[int], list[float], str]] = []
         humming_fp4.refresh_stale()  # captured graphs read humming's repacked copies, not the packed weights
         with inference_mode(self.model), self._lora_in_compute_dtype(), \
-                projections_fused(self._groups, compute_dtype(self.model)):
+                projections_fused(self._groups, compute_dtype(self.model)), \
+                cpu_dense_copies(self.model, self._groups, compute_dtype(self.model)) as dense:
+            self.stats["dense_copies"] = int(dense)
             for start in range(0, len(prompts), group):
                 chunk = prompts[start:start + group]
                 rows += self._generate_group(chunk, n, sampling, base_seed, first_row=sampling.first_row + start * n)

@@ -1,4 +1,5 @@
-"""A rollout's dense copies of the FP4 weights: used at >= DENSE_COPY_MIN_ROWS inference rows only, same results."""
+"""A rollout's dense copies of the FP4 weights: used at >= DENSE_COPY_MIN_ROWS inference rows on a GPU and at any
+rows on the CPU, same results; CPU engines make them for one call when host memory allows."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +7,7 @@ from peft import get_peft_model
 
 from qerl.quant.dense_copies import attach_dense_copies, dense_copy_bytes, detach_dense_copies
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
-from qerl.quant.linear import DENSE_COPY_MIN_ROWS, FP4Linear
+from qerl.quant.linear import DENSE_COPY_MIN_ROWS, FP4Linear, dense_copy_used
 from qerl.quant.loader import load_quantized_model
 from qerl.quant.lora import fp4_lora_config
 
@@ -18,18 +19,23 @@ def _layer(rows_out=48, rows_in=64):
     return FP4Linear.from_linear(torch.nn.Linear(rows_in, rows_out, bias=True))
 
 
-def test_layer_uses_its_copy_only_for_many_inference_rows():
+def test_a_gpu_reads_the_copy_from_many_rows_and_the_cpu_at_any_rows():
+    assert not dense_copy_used("cuda", DENSE_COPY_MIN_ROWS - 1) and dense_copy_used("cuda", DENSE_COPY_MIN_ROWS)
+    assert dense_copy_used("cpu", 1) and dense_copy_used("cpu", DENSE_COPY_MIN_ROWS)
+
+
+def test_layer_uses_its_copy_for_inference_in_its_dtype_only():
     layer = _layer()
     many = torch.randn(DENSE_COPY_MIN_ROWS, 64)
-    few = many[:DENSE_COPY_MIN_ROWS - 1]
+    few = many[:3]
     with torch.no_grad():
         ref_many, ref_few = layer(many), layer(few)
     assert attach_dense_copies(layer, [], torch.float32) == 48 * 64 * 4 == dense_copy_bytes(layer, torch.float32)
     with torch.no_grad():
-        torch.testing.assert_close(layer(many), ref_many, rtol=1e-6, atol=1e-6)
+        assert torch.equal(layer(many), ref_many) and torch.equal(layer(few), ref_few)  # the reference's own GEMM
         layer.dense_copy.zero_()  # from here a call that reads the copy returns only the bias
         assert torch.equal(layer(many), layer.bias.expand(DENSE_COPY_MIN_ROWS, 48))
-        torch.testing.assert_close(layer(few), ref_few)  # too few rows: the FP4 path
+        assert torch.equal(layer(few), layer.bias.expand(3, 48))  # on the CPU at any rows
     torch.testing.assert_close(layer(many), ref_many, rtol=1e-6, atol=1e-6)  # autograd on: the FP4 path
     assert layer(many.double()).dtype == torch.float64  # another dtype: the FP4 path
     detach_dense_copies(layer)
@@ -61,7 +67,7 @@ def test_grouped_model_over_copies_equals_fp4_path(nvfp4_dir, monkeypatch):
         got = model(ids).logits
         assert not calls  # every FP4 layer ran on its dense copy
         short = model(ids[:, :8]).logits
-        assert calls  # 16 rows: the FP4 kernels
+        assert not calls  # 16 rows: a GPU would run the FP4 kernels, the CPU reads its copies at any rows
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(short, ref_short, rtol=1e-4, atol=1e-4)
     detach_dense_copies(model, groups)
@@ -70,3 +76,62 @@ def test_grouped_model_over_copies_equals_fp4_path(nvfp4_dir, monkeypatch):
     attach_dense_copies(model, groups, torch.float32)
     ungroup_projections(groups)  # members get their own weights back and drop their views of the stacked copy
     assert not any("dense_copy" in m.base_layer.__dict__ for g in groups for m in g.members)
+
+
+def test_cpu_engines_roll_out_on_copies_made_for_the_call(nvfp4_dir, tiny_model_dir, monkeypatch):
+    """On the CPU both engines dequantize each FP4 weight once per call (not once per forward), roll out the same
+    rows as without the copies, and drop them when the call (TorchEngine) or the pool (PagedEngine) goes."""
+    from transformers import AutoTokenizer
+
+    import qerl.quant.dense_copies as dense_mod
+    import qerl.quant.reference as reference_mod
+    import qerl.rollout.paged_engine as paged_mod
+    from qerl.rollout import SamplingParams
+    from qerl.rollout.paged_engine import PagedEngine
+    from qerl.rollout.torch_engine import TorchEngine
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    model = get_peft_model(load_quantized_model(nvfp4_dir), fp4_lora_config(
+        r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    prompts = [tok(t)["input_ids"] for t in ("2+2=", "Hello there, how are you", "The quick brown fox")]
+    params = SamplingParams(temperature=0.9, max_tokens=6, seed=3)
+    dequants = []
+    real = reference_mod._dequant_rows
+    monkeypatch.setattr(reference_mod, "_dequant_rows", lambda *a: dequants.append(1) or real(*a))
+    for engine in (TorchEngine, PagedEngine):
+        dequants.clear()
+        fast = engine(model, tok, eos_token_ids=())
+        got = fast.generate(prompts, 2, params)
+        assert not dequants  # every FP4 call of the rollout read its copy
+        if engine is PagedEngine:
+            assert got.stats["dense_check_kept"] and got.stats["dense_copy_bytes"] > 0
+            fast.release()
+        else:
+            assert got.stats["dense_copies"] == 1
+        assert not any("dense_copy" in m.__dict__ for m in model.modules() if isinstance(m, FP4Linear))
+        for mod in (dense_mod, paged_mod):
+            monkeypatch.setattr(mod, "cpu_copies_fit", lambda m, d: False)
+        ref = engine(model, tok, eos_token_ids=()).generate(prompts, 2, params)
+        monkeypatch.undo()
+        monkeypatch.setattr(reference_mod, "_dequant_rows", lambda *a: dequants.append(1) or real(*a))
+        assert dequants  # the reference dequantized on every forward
+        assert got.completion_ids == ref.completion_ids
+        for a, b in zip(got.logprobs, ref.logprobs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+def test_no_cpu_copies_when_they_would_take_over_a_quarter_of_the_free_host_memory(monkeypatch):
+    import qerl.quant.dense_copies as dense_mod
+
+    layer = _layer()
+    need = dense_copy_bytes(layer, torch.float32)
+    monkeypatch.setattr(dense_mod, "available_host_bytes", lambda: 4 * need - 1)
+    with dense_mod.cpu_dense_copies(layer, [], torch.float32) as made:
+        assert not made and "dense_copy" not in layer.__dict__
+    monkeypatch.setattr(dense_mod, "available_host_bytes", lambda: 4 * need)
+    with dense_mod.cpu_dense_copies(layer, [], torch.float32) as made:
+        assert made and layer.dense_copy.shape == (48, 64)
+    assert "dense_copy" not in layer.__dict__
+    monkeypatch.undo()  # the real reader: a number on Linux
+    assert dense_mod.available_host_bytes() > 0

@@ -53,10 +53,19 @@ def test_dense_copies_give_the_rows_of_the_fp4_path_and_go_back_on_sleep(nvfp4_d
     engine.close()
 
 
-def test_auto_keeps_no_copies_on_cpu_or_for_few_rows_and_bad_value_is_refused(nvfp4_dir, tiny_model_dir):
+def test_auto_on_cpu_keeps_copies_while_host_memory_allows_and_bad_value_is_refused(nvfp4_dir, tiny_model_dir,
+                                                                                     monkeypatch):
+    import qerl.quant.dense_copies as dense_mod
+
     model, tok, prompts, n, params = _run(nvfp4_dir, tiny_model_dir, "cpu")
+    engine = PagedEngine(model, tok, eos_token_ids=())
+    out = engine.generate(prompts, n, params)
+    assert out.stats["dense_copy_bytes"] == out.stats["dense_check_need"] > 0 and _copies(model) > 0
+    assert out.stats["dense_check_kept"] is True and out.stats["dense_check_free"] > 0  # the decision is reported
+    engine.release()
+    assert _copies(model) == 0
+    monkeypatch.setattr(dense_mod, "available_host_bytes", lambda: out.stats["dense_check_need"])  # < 4x the need
     out = PagedEngine(model, tok, eos_token_ids=()).generate(prompts, n, params)
-    assert out.stats["dense_copy_bytes"] == 0 and _copies(model) == 0
-    assert out.stats["dense_check_kept"] is False and out.stats["dense_check_need"] > 0  # the decision is reported
+    assert out.stats["dense_copy_bytes"] == 0 and _copies(model) == 0 and out.stats["dense_check_kept"] is False
     with pytest.raises(QerlError, match="dense_weights"):
         PagedEngine(model, tok, dense_weights="yes")
