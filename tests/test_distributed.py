@@ -155,6 +155,15 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
+def _assert_one_rank_resumes(nvfp4_dir, task, one_rank, tmp_path, ck) -> None:
+    """--resume as one process from a killed run's checkpoints completes and equals the uninterrupted run."""
+    resumed = subprocess.run(_cmd(1, nvfp4_dir, tmp_path / "out", ck, tmp_path / "res", _train_config(task, 1)),
+                             env=_env(task), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    _assert_same_adapter(one_rank(), tmp_path / "out")
+
+
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_job_and_one_rank_resumes_it(nvfp4_dir, task, one_rank, tmp_path):
     """kill -9 of rank 1 mid-run: torchrun ends the job within seconds naming rank 1; --resume under num_gpus 1
@@ -174,11 +183,7 @@ def test_a_killed_rank_ends_the_job_and_one_rank_resumes_it(nvfp4_dir, task, one
     assert f"failed (exitcode: -9) local_rank: 1 (pid: {pid})" in output
     assert not (tmp_path / "out").exists()
 
-    resumed = subprocess.run(_cmd(1, nvfp4_dir, tmp_path / "out", ck, tmp_path / "res", _train_config(task, 1)),
-                             env=_env(task), capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
-    _assert_same_adapter(one_rank(), tmp_path / "out")
+    _assert_one_rank_resumes(nvfp4_dir, task, one_rank, tmp_path, ck)
     assert [h["reward"] for h in _history(tmp_path / "out")] == [h["reward"] for h in _history(one_rank())]
 
 
@@ -268,11 +273,7 @@ def test_a_killed_node_ends_the_job_in_one_line_and_one_rank_resumes_it(nvfp4_di
                           for e in errors), output[-3000:]
     assert not (tmp_path / "out").exists()
 
-    resumed = subprocess.run(_cmd(1, nvfp4_dir, tmp_path / "out", ck, tmp_path / "res", _train_config(task, 1)),
-                             env=_env(task), capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
-    _assert_same_adapter(one_rank(), tmp_path / "out")
+    _assert_one_rank_resumes(nvfp4_dir, task, one_rank, tmp_path, ck)
 
 
 # ------------------------------------------------------------------ the collectives, without a model
