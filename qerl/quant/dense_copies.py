@@ -84,11 +84,15 @@ def available_host_bytes() -> int | None:
         return None
 
 
+def host_room(need: int) -> tuple[int, bool]:
+    """(available host bytes, whether copies of `need` bytes fit the host memory rule)."""
+    free = available_host_bytes() if need else None
+    return free or 0, bool(need) and free is not None and need <= _HOST_FRACTION * free
+
+
 def cpu_copies_fit(model: nn.Module, dtype: torch.dtype) -> bool:
     """A CPU model has NVFP4 weights whose dense copies in `dtype` fit the host memory rule."""
-    need = dense_copy_bytes(model, dtype)
-    free = available_host_bytes() if need else None
-    return bool(need) and free is not None and need <= _HOST_FRACTION * free
+    return host_room(dense_copy_bytes(model, dtype))[1]
 
 
 @contextlib.contextmanager

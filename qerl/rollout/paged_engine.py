@@ -23,8 +23,7 @@ import torch
 from qerl import compile_cache
 from qerl.compile_cache import CompileClock
 from qerl.errors import QerlError
-from qerl.quant.dense_copies import (attach_dense_copies, available_host_bytes, cpu_copies_fit, dense_copy_bytes,
-                                     detach_dense_copies)
+from qerl.quant.dense_copies import attach_dense_copies, dense_copy_bytes, detach_dense_copies, host_room
 from qerl.quant.dispatch import HUMMING_MIN_ROWS, fp4_humming_mode
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
 from qerl.quant.humming_copies import attach_humming_copies, detach_humming_copies, humming_copy_bytes
@@ -212,8 +211,8 @@ class PagedEngine(RolloutEngine):
             return
         if self.dense_weights == "auto":
             if self.device.type == "cpu":  # no FP4 kernel: each call would dequantize its whole weight
-                self.dense_check = dict(need=need, free=available_host_bytes() or 0,
-                                        kept=cpu_copies_fit(self.model, compute_dtype(self.model)))
+                free, kept = host_room(need)
+                self.dense_check = dict(need=need, free=free, kept=kept)
                 if self.dense_check["kept"]:
                     self.dense_bytes = attach_dense_copies(self.model, self._groups, compute_dtype(self.model))
                 return

@@ -85,7 +85,6 @@ def test_cpu_engines_roll_out_on_copies_made_for_the_call(nvfp4_dir, tiny_model_
 
     import qerl.quant.dense_copies as dense_mod
     import qerl.quant.reference as reference_mod
-    import qerl.rollout.paged_engine as paged_mod
     from qerl.rollout import SamplingParams
     from qerl.rollout.paged_engine import PagedEngine
     from qerl.rollout.torch_engine import TorchEngine
@@ -110,8 +109,7 @@ def test_cpu_engines_roll_out_on_copies_made_for_the_call(nvfp4_dir, tiny_model_
         else:
             assert got.stats["dense_copies"] == 1
         assert not any("dense_copy" in m.__dict__ for m in model.modules() if isinstance(m, FP4Linear))
-        for mod in (dense_mod, paged_mod):
-            monkeypatch.setattr(mod, "cpu_copies_fit", lambda m, d: False)
+        monkeypatch.setattr(dense_mod, "available_host_bytes", lambda: 0)  # no room: both engines dequantize
         ref = engine(model, tok, eos_token_ids=()).generate(prompts, 2, params)
         monkeypatch.undo()
         monkeypatch.setattr(reference_mod, "_dequant_rows", lambda *a: dequants.append(1) or real(*a))
