@@ -131,6 +131,14 @@ class Ranks:
                 self._collective("broadcast", dist.broadcast, flat, 0)
                 _unflatten_into(flat, bucket)
 
+    def from_main(self, value):
+        """Rank 0's `value` (any picklable object) on every rank."""
+        if not self.enabled:
+            return value
+        box = [value if self.is_main else None]
+        self._collective("broadcast_object_list", dist.broadcast_object_list, box, 0)
+        return box[0]
+
     def reduce_metrics(self, metrics: dict[str, float], *, sums: tuple[str, ...] = (),
                        maxima: tuple[str, ...] = ()) -> dict[str, float]:
         """The same dict on every rank: keys in `sums` summed, in `maxima` maxed, the rest averaged (every rank

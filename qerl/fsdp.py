@@ -19,6 +19,12 @@ rolls out and scores its share of the step's prompt groups, the loss is normalis
                the workable choices: gathering in place (FSDP's unshard) holds the same whole model during the
                rollout, a copy kept through the update adds a whole model to the update's peak, and decoding
                through FSDP's per-layer gathers would all-gather the whole model once per generated token.
+  loading      rank 0 alone reads the checkpoint (qerl.train); the other ranks build the model on the meta device.
+               After sharding, set_model_state_dict (full state dict, broadcast from rank 0) sends rank 0's
+               tensors one at a time and each rank keeps its shards, then rank 0's buffers (rotary frequencies:
+               in no state dict) are broadcast whole. Host memory: one whole model on rank 0, its shards on the
+               others, instead of a whole model per rank. Forward swaps that probe the weights before sharding
+               (qerl.fused_elementwise) follow rank 0's probe on every rank.
   checkpoints  get_model_state_dict / get_optimizer_state_dict (full_state_dict, cpu_offload) gather the state
                on rank 0, which writes it in qerl.checkpoint's one-rank format (tensors by name, optimizer state
                by parameter index): a checkpoint resumes under any rank count, FSDP or not; loading broadcasts
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import types
 
 import torch
@@ -38,15 +45,33 @@ from qerl.distributed import Ranks, Replicated
 from qerl.errors import QerlError
 
 
+def sharded(cfg, ranks: Ranks) -> bool:
+    """Does this run shard its model with FSDP2 (mode full on several ranks; cfg: the train section)? Then rank 0
+    alone loads the weights."""
+    return ranks.enabled and cfg.mode == "full"
+
+
 def data_parallel(model: nn.Module, cfg, ranks: Ranks):
     """How the ranks share this model's training (cfg: the train section): FSDP2 for mode full on several ranks,
     else replicas."""
-    if not (ranks.enabled and cfg.mode == "full"):
+    if not sharded(cfg, ranks):
         return Replicated(model, ranks)
     if getattr(cfg, "optim", "adamw_torch") != "adamw_torch":
         raise QerlError(f"train.optim {cfg.optim} with mode full on {ranks.world_size} GPUs: its states do not "
                         "shard under FSDP2; use optim adamw_torch (or num_gpus 1)")
     return FullySharded(model, ranks)
+
+
+def fuse_as_rank0(model: nn.Module, cfg, ranks: Ranks) -> int:
+    """qerl.fused_elementwise's swaps; sharded, the modules rank 0's probe picked on every rank (the other ranks'
+    weights are on the meta device until FullySharded fills them). A collective when sharded."""
+    from qerl import fused_elementwise as fused
+
+    if not sharded(cfg, ranks):
+        return fused.fuse_elementwise(model)
+    count = fused.fuse_elementwise(model) if ranks.is_main else 0
+    names = ranks.from_main(fused.fused_names(model) if ranks.is_main else None)
+    return count if ranks.is_main else fused.fuse_elementwise(model, names=names)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -124,6 +149,8 @@ class FullySharded:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
         self.copy = GatheredPolicy(model, device)  # from the plain class, before fully_shard swaps the model's
+        # rank 0's whole tensors, kept past the sharding below (references, no copy); the model is rank 0's
+        full = model.state_dict() if ranks.is_main else {}
         mesh = init_device_mesh(device.type, (ranks.world_size,))
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh)
@@ -136,8 +163,21 @@ class FullySharded:
         model.qerl_run = types.MethodType(_run, model)
         register_fsdp_forward_method(model, "qerl_run")
         self.model = model
+        self._receive(full, device)
+        del full
         self.copy.bind_buffers(model)
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    def _receive(self, full: dict, device: torch.device) -> None:
+        """Rank 0's weights into every rank's shards and its buffers whole (a collective: every rank calls)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if any(t.is_meta for t in (*self.model.parameters(), *self.model.buffers())):
+            self.model.to_empty(device=device)  # this rank's shards and the buffers, allocated: filled below
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        self.ranks._collective("weights from rank 0", functools.partial(set_model_state_dict, options=options),
+                               self.model, full)
+        self.ranks.broadcast_params(list(self.model.buffers()))  # non-persistent ones are in no state dict
 
     def _optimizer_names(self, optimizer) -> list[str]:
         """Parameter names in the optimizer's order: what its state dict's indices count (groups one after
@@ -156,7 +196,7 @@ class FullySharded:
         return {"foreach": True}  # DTensor shards: foreach kernels (torchtitan's choice)
 
     def start(self, params) -> None:
-        """Nothing to broadcast: every rank loaded the same weights and keeps its own shards of them."""
+        """Nothing to broadcast: every rank's shards came from rank 0's weights."""
 
     def reduce_and_clip(self, params, max_norm: float) -> float:
         """Clip by the whole gradient's norm (its shards were reduce-scattered by each backward)."""

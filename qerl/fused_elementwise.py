@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -165,17 +166,19 @@ def _mlp_width(module: nn.Module) -> int | None:
     return getattr(base, "in_features", None)
 
 
-def fuse_elementwise(model: nn.Module, enabled: bool = True) -> int:
+def fuse_elementwise(model: nn.Module, enabled: bool = True, names: Collection[str] | None = None) -> int:
     """Swap the forward of every RMSNorm and SiLU-gated MLP of `model` for the compiled one (enabled) or put the
     originals back (False); returns how many modules run the compiled forward now (enabled) or were restored.
     Modules with another instance forward are skipped, and a fused module wrapped since (an MLP tiled by
-    qerl.tiled_mlp) stays as it is: fuse before tiling, untile before unfusing."""
+    qerl.tiled_mlp) stays as it is: fuse before tiling, untile before unfusing. names: swap just these modules
+    (of those kinds) unprobed, as fused_names of the same model elsewhere gave (here its weights may be on the
+    meta device)."""
     count = 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Module):
         count += enabled or bool(getattr(head, _HEAD_MARK, False))
         setattr(head, _HEAD_MARK, enabled)
-    for module in model.modules():
+    for name, module in model.named_modules():
         if hasattr(module, _ORIGINAL):
             if getattr(module.forward, "func", None) not in (_norm_forward, _mlp_forward):
                 count += enabled  # wrapped again since (qerl.tiled_mlp's tiles): left as it is, still fused
@@ -195,11 +198,16 @@ def fuse_elementwise(model: nn.Module, enabled: bool = True) -> int:
         else:
             continue
         original = module.forward
-        if not _behaves(original, reference, _probe(module, width)):
+        if not (name in names if names is not None else _behaves(original, reference, _probe(module, width))):
             continue
         swap_forward(module, _ORIGINAL, functools.partial(fused, module, original))
         count += 1
     return count
+
+
+def fused_names(model: nn.Module) -> list[str]:
+    """The modules of `model` whose forward fuse_elementwise swapped, by name."""
+    return [name for name, m in model.named_modules() if hasattr(m, _ORIGINAL)]
 
 
 def fused_modules(model: nn.Module) -> int:

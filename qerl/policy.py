@@ -12,6 +12,7 @@ With train_norms the RMSNorm scales train too (they are what AQN perturbs).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def _check_args(model_path, mode: str, lora: LoraSpec | None) -> Path:
     return path
 
 
-def _load_base(model_path: Path, mode: str, dtype: torch.dtype, device) -> nn.Module:
+def _load_base(model_path: Path, mode: str, dtype: torch.dtype, device, empty: bool = False) -> nn.Module:
     """The base model in the form the mode trains on; the checkpoint kind must match the mode."""
     from transformers import AutoModelForCausalLM
 
@@ -81,7 +82,20 @@ def _load_base(model_path: Path, mode: str, dtype: torch.dtype, device) -> nn.Mo
         return load_quantized_model(model_path, dtype=dtype, device=device)
     if quantized:
         raise QerlError(f"mode {mode}: {model_path} is a quantized checkpoint; use the dense (bf16) model")
+    if empty:
+        return _empty_base(model_path, dtype)
     return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device)
+
+
+def _empty_base(model_path: Path, dtype: torch.dtype) -> nn.Module:
+    """The checkpoint's model with every tensor on the meta device: its config is read, its weights are not."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_path)), dtype=dtype)
+    with contextlib.suppress(OSError):  # as from_pretrained: the checkpoint's own EOS ids, when it has a file
+        model.generation_config = GenerationConfig.from_pretrained(str(model_path))
+    return model
 
 
 def _load_nf4(model_path: Path, dtype: torch.dtype, device, quantized: bool) -> nn.Module:
@@ -142,13 +156,17 @@ def _attach_lora(base: nn.Module, mode: str, lora: LoraSpec) -> nn.Module:
 
 
 def load_policy(model_path, *, mode: str, dtype: torch.dtype = torch.float32, device="cpu",
-                lora: LoraSpec | None = None, train_norms: bool = False, gradient_checkpointing: bool = False):
+                lora: LoraSpec | None = None, train_norms: bool = False, gradient_checkpointing: bool = False,
+                empty: bool = False):
     """(model, tokenizer): the base frozen except LoRA (and RMSNorm scales with train_norms), or all of it in
-    mode 'full'. The model is returned in train mode."""
+    mode 'full'. The model is returned in train mode. empty (mode full): its tensors on the meta device, the
+    weights unread (an FSDP2 rank other than 0 receives its shards from rank 0: qerl.fsdp)."""
     from transformers import AutoTokenizer
 
     model_path = _check_args(model_path, mode, lora)
-    base = _load_base(model_path, mode, dtype, device)
+    if empty and mode != "full":
+        raise QerlError(f"mode {mode}: only mode full loads an empty model (its weights come from rank 0)")
+    base = _load_base(model_path, mode, dtype, device, empty)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

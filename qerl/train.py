@@ -89,12 +89,15 @@ def _setup_checkpoints(cfg, records: list[dict], model_dir: str, checkpoint_dir:
     return run
 
 
-def _setup_model(cfg, model_dir: str):
+def _setup_model(cfg, model_dir: str, ranks=None):
+    from qerl.distributed import SINGLE
+    from qerl.fsdp import sharded
     from qerl.policy import LoraSpec, load_policy
     from qerl.trainer import resolve_device_dtype
 
+    ranks = ranks or SINGLE
     device, dtype = resolve_device_dtype(cfg.dtype)
-    if cfg.mode == "full" and cfg.num_nodes * cfg.num_gpus > 1:  # FSDP2 moves each unit's shards to the GPU
+    if sharded(cfg, ranks):  # FSDP2 moves each unit's shards to the GPU
         device = "cpu"
     elif device == "cuda":  # this rank's GPU (qerl.distributed set it), also for loaders that read "cuda" as cuda:0
         import torch
@@ -104,8 +107,10 @@ def _setup_model(cfg, model_dir: str):
                                                     dropout=cfg.lora.lora_dropout,
                                                     target_modules=tuple(cfg.lora.target_modules),
                                                     fused=cfg.lora.fused)
+    # sharded: rank 0 reads the weights, the others receive their shards from it (qerl.fsdp)
     return load_policy(model_dir, mode=cfg.mode, dtype=dtype, device=device, lora=lora,
-                       train_norms=cfg.train_norms, gradient_checkpointing=cfg.gradient_checkpointing)
+                       train_norms=cfg.train_norms, gradient_checkpointing=cfg.gradient_checkpointing,
+                       empty=sharded(cfg, ranks) and not ranks.is_main)
 
 
 class LoggingWindow:
@@ -226,7 +231,7 @@ def _train(args, cfg, ranks) -> None:
         if ranks.is_main else contextlib.nullcontext(_NoRun())
     with tracking as run:
         run.set_tags({"qerl.checkpoints": str(checkpoints.dir)})
-        model, tokenizer = _setup_model(cfg, args.model)
+        model, tokenizer = _setup_model(cfg, args.model, ranks)
         trainer = GRPOTrainer(cfg, model, tokenizer, prompts, answers, rewards,
                               checkpoint_dir=checkpoints.root, fingerprint=checkpoints.fingerprint, ranks=ranks)
         trainer.progress_label = f"train {args.experiment}"

@@ -25,7 +25,7 @@ from qerl.checkpoint import CheckpointRun, NonFiniteState, load_checkpoint
 from qerl.distributed import SINGLE, Ranks
 from qerl.diagnostics import QuantKL, rollout_entropy, snapshot, update_norm
 from qerl.errors import QerlError, out_of_memory_names
-from qerl.fsdp import data_parallel
+from qerl.fsdp import data_parallel, fuse_as_rank0
 from qerl.grpo import constant_groups, group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.optim import build_optimizer
 from qerl.prefix import grouped_token_logprobs
@@ -80,9 +80,7 @@ class GRPOTrainer:
         self.ranks = ranks
         ranks.share(cfg.batch_size, "prompts of a step (train.batch_size)")  # fails early when uneven
         if cfg.fused_elementwise:  # before tiling: a tiled MLP's slices then run the compiled activation
-            from qerl.fused_elementwise import fuse_elementwise
-
-            fuse_elementwise(model)
+            fuse_as_rank0(model, cfg, ranks)  # sharded, the other ranks' models are empty here: rank 0 probes
         if cfg.mlp_chunks > 1:
             from qerl.tiled_mlp import tile_mlps
 
