@@ -212,7 +212,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   graph_build_s=stats.get("graph_build_s"),
                   floor_bytes=floor, bytes_floor_s=floor / bandwidth, floor_s=floor_s,
                   floor_pct=100 * floor_s / rollout_s,
-                  **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_"))},
+                  **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_", "step_wait_s_"))},
                   update_s=update_s, update_tokens=update_tokens,
                   update_tok_s=update_tokens / update_s if update_s else None,
                   update_padded_tokens_ratio=metrics.get("update/padded_tokens_ratio"),
@@ -249,7 +249,7 @@ def _later_step(args, trainer, engine, rows: int, cap: int, i: int) -> dict:
     return {"useful_tokens": sum(engine.lengths), "rollout_s": batch.metrics["timing/rollout"],
             "update_s": metrics["timing/update"], "step_s": time.perf_counter() - t,
             "graph_captures": stats.get("graph_captures"), "graph_build_s": stats.get("graph_build_s"),
-            **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_"))}}
+            **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_", "step_wait_s_"))}}
 
 
 def _compile_counts() -> dict:
@@ -329,6 +329,12 @@ def _table(rows: list[dict]) -> str:
         lines.append(f"{r['mode']:10s} warm-up {r['warmup_s']:.1f} s: torch.compile {r['warmup_torch_compile_s']:.1f} s, "
                      f"humming {r['warmup_humming_kernels']} kernels {r['warmup_humming_s']:.1f} s; graph builds "
                      f"in the timed rollout {r.get('graph_build_s') or 0:.2f} s")
+    for r in rows:
+        bins = [(k[len("steps_"):], r[k]) for k in r if k.startswith("steps_decode_") and r[k]]
+        parts = [f"{b.replace('decode_', '').replace('_', '-')} rows {n} steps {1e3 * r[f'step_s_{b}'] / n:.2f} ms "
+                 f"(host {1e3 * (r[f'step_s_{b}'] - r.get(f'step_wait_s_{b}', 0.0)) / n:.2f})" for b, n in bins]
+        if parts:
+            lines.append(f"{r['mode']:10s} per decode step, first timed rollout: " + "; ".join(parts))
     for r in rows:
         if r.get("later_steps"):
             later = r["later_steps"]

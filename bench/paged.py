@@ -49,8 +49,12 @@ class ForcedLengthEngine(PagedEngine):
         self._started = self._last_report = time.perf_counter()
         return super().generate(prompts, n, sampling)
 
-    def _step(self, sched, pool, sampling, uniforms, graphs):
-        out = super()._step(sched, pool, sampling, uniforms, graphs)
+    def _steps(self, sched, pool, sampling, uniforms, graphs):
+        for out in super()._steps(sched, pool, sampling, uniforms, graphs):
+            yield out
+            self._report(sched)
+
+    def _report(self, sched) -> None:
         now = time.perf_counter()
         if self.progress_s > 0 and now - self._last_report >= self.progress_s:
             self._last_report = now
@@ -59,7 +63,6 @@ class ForcedLengthEngine(PagedEngine):
             elapsed = now - self._started
             print(f"  rollout {elapsed:.0f} s: {done:,} tokens ({done / elapsed:,.0f}/s), {finished}/"
                   f"{len(sched.seqs)} rows finished, {sched.stats.get('preemptions', 0)} preemptions", flush=True)
-        return out
 
     def _finish_reasons(self, seqs, tokens, sampling):
         reasons = super()._finish_reasons(seqs, tokens, sampling)

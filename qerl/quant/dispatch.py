@@ -198,11 +198,13 @@ def _check_kernel(kernel) -> None:
 
 def run_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None, lora_a=None, lora_b=None,
                    lora_scale: float = 1.0, *, segments=None, kernel: str | None = None, config=None,
-                   use_asm: bool = True):
+                   use_asm: bool = True, lora_b_diag=None):
     """x (..., K) @ deq(W).T (+ bias) (+ lora_scale * (x @ lora_a.T) @ lora_b.T) -> (..., N) in x.dtype, eagerly, on
     the kernel of `choose_kernel` or the one named by `kernel`; a Triton tile `config` means kernel "triton",
     use_asm=False (Triton's plain decode) leaves the CUDA kernel out. segments: sizes along N of up to three
-    weights stacked in W (one global scale each; lora_a stacks one (r, K) block per segment)."""
+    weights stacked in W (one global scale each; lora_a stacks one (r, K) block per segment). lora_b_diag: the same
+    B laid block-diagonally (N, segments x r), for the kernels that add the B product with cuBLAS: one GEMM for
+    every segment instead of one per segment."""
     _check_kernel(kernel)
     prepared = functools.cache(lambda: _prepare(x, weight_packed, weight_scale, weight_global_scale, segments))
     if kernel is None and config is not None:
@@ -222,14 +224,17 @@ def run_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=Non
     p = prepared()
     if p.x2.shape[0]:
         _launch_forward(kernel, p, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
-                        lora_scale, len(segments or [p.n]), config, use_asm)
+                        lora_scale, len(segments or [p.n]), config, use_asm, lora_b_diag)
     return p.out.reshape(*x.shape[:-1], p.n)
 
 
 def _launch_forward(kernel, p: _Prepared, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
-                    lora_scale, n_segments, config, use_asm) -> None:
+                    lora_scale, n_segments, config, use_asm, lora_b_diag=None) -> None:
     a, b = lora_adapter(p.x2, lora_a, lora_b, p.n, p.k, n_segments)
     if kernel == "humming":
+        if a is not None and lora_b_diag is not None:
+            _check_block_diagonal(lora_b_diag, b, p.x2, n_segments)
+            b = lora_b_diag
         _humming_forward(p, weight_packed, weight_scale, weight_global_scale, bias, a, b, lora_scale, n_segments)
         return
     if kernel == "cuda":  # x @ A.T inside the same launch, up to the kernel's MAX_FUSED_RANK
@@ -258,10 +263,21 @@ def _humming_forward(p: _Prepared, weight_packed, weight_scale, weight_global_sc
         p.out.add_(bias.to(p.out.dtype))
     if a is not None:
         xa = _small_matmul_eager(p.x2, a)
+        if b.shape[1] == xa.shape[1] and n_segments > 1:  # block-diagonal B: every segment's product in one GEMM
+            p.out.addmm_(xa, b.T, alpha=lora_scale)
+            return
         r = b.shape[1]
         for i, (lo, hi) in enumerate(bounds):
             if hi > lo:
                 p.out[:, lo:hi].addmm_(xa[:, i * r:(i + 1) * r], b[lo:hi].T, alpha=lora_scale)
+
+
+def _check_block_diagonal(diag: torch.Tensor, b: torch.Tensor, x2: torch.Tensor, n_segments: int) -> None:
+    """lora_b_diag is B (N, r) laid out as (N, n_segments x r), in x's dtype and device."""
+    want = (b.shape[0], n_segments * b.shape[1])
+    if tuple(diag.shape) != want or diag.dtype != x2.dtype or diag.device != x2.device:
+        raise QerlError(f"fp4_lora_matmul: lora_b_diag must be {want} {x2.dtype} on {x2.device} (B laid out "
+                        f"block-diagonally), got {tuple(diag.shape)} {diag.dtype} on {diag.device}")
 
 
 def run_fp4_matmul_t(g, weight_packed, weight_scale, weight_global_scale, *, kernel: str | None = None,
@@ -320,13 +336,15 @@ def _(grad_out, weight_packed, weight_scale, weight_global_scale):
 @torch.library.custom_op("qerl::fp4_lora_matmul", mutates_args=())
 def _fp4_lora_matmul_op(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                         weight_global_scale: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                        lora_b: torch.Tensor, lora_scale: float, segments: list[int]) -> torch.Tensor:
+                        lora_b: torch.Tensor, lora_scale: float, segments: list[int],
+                        lora_b_diag: torch.Tensor | None = None) -> torch.Tensor:
     return run_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale,
-                          segments=segments)
+                          segments=segments, lora_b_diag=lora_b_diag)
 
 
 @_fp4_lora_matmul_op.register_fake
-def _(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale, segments):
+def _(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale, segments,
+      lora_b_diag=None):
     return x.new_empty(*x.shape[:-1], weight_packed.shape[0])
 
 
@@ -351,17 +369,19 @@ def fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_scale):
 
 
 def fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale,
-                    segments=None):
+                    segments=None, lora_b_diag=None):
     """Inference-only x @ deq(W).T (+ bias) + lora_scale * (x @ A.T) @ B.T as one op (qerl::fp4_lora_matmul): on
     CUDA the B product is added in the FP4 kernel's epilogue (one small GEMM for x @ A.T, or none on the CUDA
     kernel, no B GEMM, no add kernel). It has no autograd formula: training goes through FP4Linear + peft's
     separate adapter modules.
 
     segments: sizes along N of up to three layers that read the same x, stacked in W (rows), the global scale
-    (one per segment), A (one (r, K) block per segment) and B (rows): q/k/v or gate/up in one launch."""
+    (one per segment), A (one (r, K) block per segment) and B (rows): q/k/v or gate/up in one launch.
+    lora_b_diag: optionally B laid out block-diagonally (N, segments x r): where the B product is a cuBLAS GEMM
+    (humming's kernel) it is one GEMM instead of one per segment."""
     n = weight_packed.shape[0]
     return _fp4_lora_matmul_op(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
-                               float(lora_scale), [int(v) for v in (segments or [n])])
+                               float(lora_scale), [int(v) for v in (segments or [n])], lora_b_diag)
 
 
 def small_matmul(x, w):

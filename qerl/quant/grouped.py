@@ -8,7 +8,8 @@
 vLLM fuses these layers at load time (QKVParallelLinear, MergedColumnParallelLinear); here the model stays a
 transformers + peft model, trainable as before, and only inference calls inside `projections_fused` take the
 stacked path. FP4 bases (FP4LoraLinear): `qerl.quant.dispatch.fp4_lora_matmul` with `segments`, one FP4 launch
-(LoRA B in its epilogue, one global scale per member) and one x @ A.T launch per group. Dense bases (peft's
+(LoRA B in its epilogue, one global scale per member; on humming's kernel and the dense copies one addmm with the
+block-diagonal B) and one x @ A.T launch per group. Dense bases (peft's
 LoRA Linear over nn.Linear, e.g. the bf16 baseline): one cuBLAS GEMM over the stacked weight, one x @ A.T and one
 addmm with the block-diagonal stacked B, instead of four launches per layer. The first member computes the whole
 group when it is called; the others return their slice when called with the very same input tensor, and compute
@@ -78,7 +79,9 @@ class ProjectionGroup:
             self.bias = None if bases[0].bias is None else torch.cat([b.bias.detach() for b in bases])
         self.adapter = members[0].active_adapters[0]
         self.scaling = float(members[0].scaling[self.adapter])
-        self.lora_a = self.lora_b = None  # stacked adapter copies in the compute dtype, filled by refresh()
+        # stacked adapter copies in the compute dtype, filled by refresh(); lora_b_diag: B block-diagonal, so that
+        # one GEMM over the stacked x @ A.T adds every member's update where B is a cuBLAS GEMM
+        self.lora_a = self.lora_b = self.lora_b_diag = None
         self.dense = None  # a rollout's stacked dequantized weight (qerl.quant.dense_copies), members hold views
         self.active = False
         self._x = None
@@ -118,18 +121,19 @@ class ProjectionGroup:
         with torch.no_grad():
             a = torch.cat([m.lora_A[self.adapter].weight for m in self.members]).to(dtype)
             b = torch.cat([m.lora_B[self.adapter].weight for m in self.members]).to(dtype)
+            r, start = b.shape[1], 0
+            diag = b.new_zeros(b.shape[0], r * len(self.members))
+            for i, size in enumerate(self.sizes):
+                diag[start:start + size, i * r:(i + 1) * r] = b[start:start + size]
+                start += size
             if self.kind == "dense":
-                r, start = b.shape[1], 0
-                diag = b.new_zeros(b.shape[0], r * len(self.members))
-                for i, size in enumerate(self.sizes):
-                    diag[start:start + size, i * r:(i + 1) * r] = b[start:start + size]
-                    start += size
                 b = diag
             if self.lora_a is None or self.lora_a.shape != a.shape or self.lora_a.dtype != dtype:
-                self.lora_a, self.lora_b = a, b
+                self.lora_a, self.lora_b, self.lora_b_diag = a, b, diag
             else:
                 self.lora_a.copy_(a)
                 self.lora_b.copy_(b)
+                self.lora_b_diag.copy_(diag)
 
     def member_forward(self, index: int, x: torch.Tensor):
         """The output of member `index` from the stacked call, or None when it must compute on its own."""
@@ -155,7 +159,7 @@ class ProjectionGroup:
         if self.kind == "fp4":
             return fp4_lora_matmul(x, self.stacked["weight_packed"], self.stacked["weight_scale"],
                                    self.stacked["weight_global_scale"], self.bias, self.lora_a, self.lora_b,
-                                   self.scaling, self.sizes)
+                                   self.scaling, self.sizes, self.lora_b_diag)
         x2 = x.reshape(-1, x.shape[-1])
         out = F.linear(x2, self.stacked["weight"], self.bias)
         xa = small_matmul(x2, self.lora_a)
@@ -166,12 +170,7 @@ class ProjectionGroup:
         x2 = x.reshape(-1, x.shape[-1])
         out = F.linear(x2, self.dense, None if self.bias is None else self.bias.to(self.dense.dtype))
         xa = small_matmul(x2, self.lora_a)
-        r, start = self.lora_a.shape[0] // len(self.members), 0
-        for i, size in enumerate(self.sizes):
-            out[:, start:start + size].addmm_(xa[:, i * r:(i + 1) * r], self.lora_b[start:start + size].T,
-                                              alpha=self.scaling)
-            start += size
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return torch.addmm(out, xa, self.lora_b_diag.T, alpha=self.scaling).reshape(*x.shape[:-1], out.shape[-1])
 
     def _usable(self, x: torch.Tensor) -> bool:
         first = self.members[0]
@@ -194,6 +193,7 @@ class ProjectionGroup:
                 m.__dict__.pop("_qerl_group", None)
                 m.base_layer.__dict__.pop("dense_copy", None)  # a view of the stacked copy dropped below
         self.stacked, self.lora_a, self.lora_b, self._outs, self._x = {}, None, None, None, None
+        self.lora_b_diag = None
         self.dense = None
 
 

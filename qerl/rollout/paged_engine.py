@@ -36,6 +36,7 @@ from qerl.rollout.lora_shadows import lora_in_dtype
 from qerl.rollout.model_state import compile_options, compute_dtype, eos_ids, inference_mode, model_signature
 from qerl.rollout.paged_attention import NAME, PagedMeta, triton_paged
 from qerl.rollout.layer_compile import LayerCompile
+from qerl.rollout.decode_pipeline import pipelined_decode
 from qerl.rollout.paged_graphs import DecodeGraphs, compiled_decode_forward
 from qerl.rollout.sampling import row_uniforms, sample_tokens, sampling_key
 from qerl.rollout.scheduler import Scheduler, blocks_for, check_fits
@@ -64,12 +65,15 @@ class PagedEngine(RolloutEngine):
     steps of >= DENSE_COPY_MIN_ROWS rows run cuBLAS on it, fewer rows the FP4 kernels), made with the pool and
     given back with it by sleep(): True, False, or "auto" = on CUDA when the call has that many rows and the
     copies take at most a quarter of the free memory (7B on an 80 GB GPU: yes; 32B: no).
+    pipeline_decode: runs of bucketed decode steps keep one step in flight, the host planning the next while the
+    device runs one (qerl.rollout.decode_pipeline; same rows): True, False, or "auto" = on CUDA.
     """
 
     def __init__(self, model, tokenizer, *, block_size: int = 16, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.85, max_num_batched_tokens: int = 8192,
                  max_num_seqs: int | None = None, eos_token_ids=None, decode_buckets="auto",
-                 compile="auto", lora_dtype="auto", fuse_projections="auto", dense_weights="auto"):
+                 compile="auto", lora_dtype="auto", fuse_projections="auto", dense_weights="auto",
+                 pipeline_decode="auto"):
         for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise QerlError(f"PagedEngine.{name}: expected an int >= 1, got {value!r}")
@@ -87,6 +91,8 @@ class PagedEngine(RolloutEngine):
             raise QerlError(f"PagedEngine.fuse_projections: expected True, False or 'auto', got {fuse_projections!r}")
         if dense_weights not in (True, False, "auto"):
             raise QerlError(f"PagedEngine.dense_weights: expected True, False or 'auto', got {dense_weights!r}")
+        if pipeline_decode not in (True, False, "auto"):
+            raise QerlError(f"PagedEngine.pipeline_decode: expected True, False or 'auto', got {pipeline_decode!r}")
         self.dense_weights, self.dense_bytes = dense_weights, 0
         self.humming_bytes, self.humming_check = 0, {}
         self.dense_check: dict = {}  # the last "auto" decision: bytes needed and free, kept or not
@@ -99,6 +105,7 @@ class PagedEngine(RolloutEngine):
         expandable_segments(self.device)  # before the pool, the dense copies and the update allocate anything
         self.eos_ids = set(eos_ids(model, tokenizer) if eos_token_ids is None else eos_token_ids)
         self.decode_buckets = decode_buckets is True or (decode_buckets == "auto" and self.device.type == "cuda")
+        self.pipeline_decode = pipeline_decode is True or (pipeline_decode == "auto" and self.device.type == "cuda")
         self._graphs: DecodeGraphs | None = None  # kept across calls while its key matches
         self.compile = compile
         self._compiled = None  # the compiled decode forward, built on first use
@@ -141,12 +148,13 @@ class PagedEngine(RolloutEngine):
             before = dict(graphs.stats) if graphs is not None else {}
             seconds = dict.fromkeys(_STEP_BINS, 0.0)  # wall time of the steps by rows run (each step syncs)
             counts = dict.fromkeys(_STEP_BINS, 0)
+            waits = dict.fromkeys(_STEP_BINS, 0.0)  # of which blocked on the GPU's result (graph steps only)
             while not sched.done():
-                start = time.perf_counter()
-                rows, decode = self._step(sched, pool, sampling, uniforms, graphs)
-                key = _step_bin(rows, decode)
-                seconds[key] += time.perf_counter() - start
-                counts[key] += 1
+                for rows, decode, wall, waited in self._steps(sched, pool, sampling, uniforms, graphs):
+                    key = _step_bin(rows, decode)
+                    seconds[key] += wall
+                    counts[key] += 1
+                    waits[key] += waited
         graph_stats = {k: v - before[k] for k, v in graphs.stats.items()} if graphs is not None else {}
         compiled = _log_compiles(clock.summary())
         self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes,
@@ -155,6 +163,7 @@ class PagedEngine(RolloutEngine):
                           humming_bytes=self.humming_bytes, **compiled,
                           **{f"humming_check_{k}": v for k, v in self.humming_check.items()},
                           **{f"step_s_{k}": v for k, v in seconds.items()},
+                          **{f"step_wait_s_{k}": v for k, v in waits.items()},
                           **{f"steps_{k}": v for k, v in counts.items()})
         return RolloutOutput(
             prompt_ids=[p for p in prompts for _ in range(n)],
@@ -265,10 +274,30 @@ class PagedEngine(RolloutEngine):
             self._compiled = functools.partial(compiled_decode_forward, layers) if layers else None
         return self._compiled
 
-    def _step(self, sched: Scheduler, pool: KVPool, sampling: SamplingParams, uniforms, graphs) -> tuple[int, bool]:
-        """Plan, one packed forward, sample where a row reached its last token, update the scheduler."""
+    def _steps(self, sched: Scheduler, pool: KVPool, sampling: SamplingParams, uniforms, graphs):
+        """One step planned by the scheduler, or a run of decode steps pipelined from it; yields (rows, decode-only,
+        wall seconds, seconds blocked on the GPU's result) per step."""
+        start = time.perf_counter()
+        waited = graphs.stats["graph_wait_s"] if graphs is not None else 0.0
         chunks = sched.schedule()
         decode = _decode_only(chunks)
+        if self.pipeline_decode and graphs is not None and decode:
+            ran = False
+            for rows, wall, wait in pipelined_decode(sched, chunks, graphs, uniforms,
+                                                     functools.partial(self._finish_reasons, sampling=sampling),
+                                                     self.block_size):
+                yield rows, True, wall if ran else time.perf_counter() - start, wait  # the first: with its plan
+                ran = True
+            if ran:
+                return
+        rows, decode = self._step(sched, chunks, decode, pool, sampling, uniforms, graphs)
+        yield rows, decode, time.perf_counter() - start, \
+            (graphs.stats["graph_wait_s"] - waited if graphs is not None else 0.0)
+
+    def _step(self, sched: Scheduler, chunks, decode: bool, pool: KVPool, sampling: SamplingParams, uniforms,
+              graphs) -> tuple[int, bool]:
+        """One packed forward of the planned chunks, sample where a row reached its last token, update the
+        scheduler."""
         if graphs is not None and decode and graphs.bucket(len(chunks)) is not None:
             self._bucketed_step(sched, chunks, sampling, uniforms, graphs)
             return len(chunks), True

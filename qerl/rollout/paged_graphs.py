@@ -13,7 +13,9 @@ A bucket already run eagerly in this process under the same `warm_key` (the key 
 rollout, after the update took the pool's memory) is captured at its first step.
 A captured graph reads the weights, the KV pool and the buffers by address: in-place weight updates between calls
 are seen, and the key (weights' storage, adapter switches, pool, table width, sampling knobs) says when it is stale.
-The host fills pinned staging buffers and copies them with three H2D copies, and reads the outputs with one D2H.
+The host fills pinned staging buffers and copies them with four H2D copies, and reads the outputs with one D2H:
+run() waits for them; launch() / collect() let the host plan the next step meanwhile (qerl.rollout.decode_pipeline),
+whose tokens come from this step's output on the device.
 """
 from __future__ import annotations
 
@@ -53,21 +55,24 @@ class DecodeGraphs:
         self.compile_failed = False
         self.buckets = bucket_sizes(max_rows)
         rows = self.buckets[-1]
-        self.ints = torch.zeros(3, rows, dtype=torch.long, device=dev)  # token ids, positions, slots
+        # token ids, positions, slots, and where a pipelined step takes each row's token from the last step's output
+        self.ints = torch.zeros(4, rows, dtype=torch.long, device=dev)
         self.table = torch.zeros(rows, width, dtype=torch.int32, device=dev)
         self.lens = torch.ones(rows, dtype=torch.int32, device=dev)
         self.uniforms = torch.full((rows,), 0.5, dtype=torch.float32, device=dev)
         self.out = torch.zeros(2, rows, dtype=torch.float64, device=dev)  # tokens and log-probs, exact in float64
         pin = dev.type == "cuda"
-        self.h_ints = torch.zeros(3, rows, dtype=torch.long, pin_memory=pin)
-        self.h_table = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
-        self.h_lens = torch.ones(rows, dtype=torch.int32, pin_memory=pin)
-        self.h_uniforms = torch.full((rows,), 0.5, dtype=torch.float32, pin_memory=pin)
+        # two sets of pinned staging buffers: a pipelined step is staged while the previous one's copies may still
+        # be queued behind the step before it (launch / collect)
+        self.staging = [_Staging(rows, width, pin) for _ in range(2)]
+        self.h_out = [torch.zeros(2, rows, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.eager_runs: dict[int, int] = {}
         self.mempool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         self.capture_ok = dev.type == "cuda"
-        self.stats = {"graph_captures": 0, "graph_replays": 0, "graph_eager_steps": 0, "graph_build_s": 0.0}
+        # graph_wait_s: host seconds blocked reading the sampled tokens back (~ the GPU's share of the steps run here)
+        self.stats = {"graph_captures": 0, "graph_replays": 0, "graph_eager_steps": 0, "graph_build_s": 0.0,
+                      "graph_wait_s": 0.0}
 
     @property
     def width(self) -> int:
@@ -98,27 +103,72 @@ class DecodeGraphs:
                 log.info("rollout: the decode step of %d rows %s in %.1f s (first use: torch.compile of the decoder "
                          "layers, Triton/humming kernels)", size, "ran eagerly" if size not in self.graphs
                          else "was captured", seconds)
+        start = time.perf_counter()
         out = self.out[:, :b].cpu()
+        self.stats["graph_wait_s"] += time.perf_counter() - start
         return out[0].long().tolist(), out[1].tolist()
 
-    def _stage(self, b: int, size: int, ids, positions, slots, tables, lengths, uniforms) -> None:
-        """Fill the pinned buffers (rows b..size-1 padded) and copy them to the device buffers."""
-        self.h_ints[:, :size].zero_()
-        self.h_ints[0, :b] = torch.tensor(ids, dtype=torch.long)
-        self.h_ints[1, :b] = torch.tensor(positions, dtype=torch.long)
-        self.h_ints[2, :b] = torch.tensor(slots, dtype=torch.long)
-        table = self.h_table.numpy()
+    def launch(self, ids, positions, slots, tables, lengths, uniforms, buf: int):
+        """Enqueue one decode step without waiting for it (its outputs are read by collect()); None when its bucket
+        has no captured graph (a step that must compile, warm up or capture runs through run()). ids: the rows'
+        token ids, or, as ("src", indices), each row's token from the previous step's output (its row there):
+        that step may still be running. buf: the staging set (alternate between consecutive steps)."""
+        b = len(positions)
+        size = self.bucket(b)
+        on_cuda = self.pool.device.type == "cuda"
+        if size is None or (on_cuda and size not in self.graphs):
+            return None
+        src = ids[1] if isinstance(ids, tuple) else None
+        self._stage(b, size, [0] * b if src is not None else ids, positions, slots, tables, lengths, uniforms, buf,
+                    src)
+        if src is not None:  # the sampled tokens of the step before, still on the device
+            self.ints[0, :b].copy_(self.out[0].index_select(0, self.ints[3, :b]))
+        if on_cuda:
+            self.graphs[size].replay()
+            self.stats["graph_replays"] += 1
+        else:  # no graphs: the same body, eagerly
+            self._body(size)
+        self.h_out[buf].copy_(self.out, non_blocking=on_cuda)  # whole: see _stage
+        event = None
+        if on_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return b, buf, event
+
+    def collect(self, pending) -> tuple[list[int], list[float]]:
+        """The tokens and log-probs of a launched step (blocks until it ran)."""
+        b, buf, event = pending
+        start = time.perf_counter()
+        if event is not None:
+            event.synchronize()
+        self.stats["graph_wait_s"] += time.perf_counter() - start
+        out = self.h_out[buf][:, :b]
+        return out[0].long().tolist(), out[1].tolist()
+
+    def _stage(self, b: int, size: int, ids, positions, slots, tables, lengths, uniforms, buf: int = 0,
+               src=None) -> None:
+        """Fill a set of pinned buffers (rows b..size-1 padded) and copy them to the device buffers."""
+        st = self.staging[buf]
+        st.ints[:, :size].zero_()
+        st.ints[0, :b] = torch.tensor(ids, dtype=torch.long)
+        st.ints[1, :b] = torch.tensor(positions, dtype=torch.long)
+        st.ints[2, :b] = torch.tensor(slots, dtype=torch.long)
+        if src is not None:
+            st.ints[3, :b] = torch.tensor(src, dtype=torch.long)
+        table = st.table.numpy()
         table[:size] = 0
         for i, blocks in enumerate(tables):
             table[i, :len(blocks)] = blocks
-        self.h_lens[:size] = 1
-        self.h_lens[:b] = torch.tensor(lengths, dtype=torch.int32)
+        st.lens[:size] = 1
+        st.lens[:b] = torch.tensor(lengths, dtype=torch.int32)
         if uniforms is not None:
-            self.h_uniforms[:b] = torch.as_tensor(uniforms, dtype=torch.float32)
-        self.ints[:, :size].copy_(self.h_ints[:, :size], non_blocking=True)
-        self.table[:size].copy_(self.h_table[:size], non_blocking=True)
-        self.lens[:size].copy_(self.h_lens[:size], non_blocking=True)
-        self.uniforms[:size].copy_(self.h_uniforms[:size], non_blocking=True)
+            st.uniforms[:b] = torch.as_tensor(uniforms, dtype=torch.float32)
+        # whole tensors where a slice would be strided: a strided pinned source is copied through pageable memory,
+        # and a pageable copy waits for the stream (a pipelined step would wait for the one in flight)
+        self.ints.copy_(st.ints, non_blocking=True)
+        self.table[:size].copy_(st.table[:size], non_blocking=True)
+        self.lens[:size].copy_(st.lens[:size], non_blocking=True)
+        self.uniforms[:size].copy_(st.uniforms[:size], non_blocking=True)
 
     def _body(self, size: int) -> None:
         meta = PagedMeta.decode_step(self.pool, self.ints[2, :size], self.table[:size], self.lens[:size])
@@ -170,6 +220,17 @@ class DecodeGraphs:
         self.stats["graph_captures"] += 1
         graph.replay()
         self.stats["graph_replays"] += 1
+
+
+class _Staging:
+    """Pinned host copies of the step's inputs (token ids, positions, slots, sources; block tables; lengths;
+    uniforms)."""
+
+    def __init__(self, rows: int, width: int, pin: bool):
+        self.ints = torch.zeros(4, rows, dtype=torch.long, pin_memory=pin)
+        self.table = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
+        self.lens = torch.ones(rows, dtype=torch.int32, pin_memory=pin)
+        self.uniforms = torch.full((rows,), 0.5, dtype=torch.float32, pin_memory=pin)
 
 
 def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor, meta: PagedMeta) -> torch.Tensor:

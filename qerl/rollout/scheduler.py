@@ -148,6 +148,29 @@ class Scheduler:
             i += 1
         return budget, preempted
 
+    def next_decode(self, chunks, in_flight: int = 1) -> list[Chunk] | None:
+        """The decode step after `chunks` (one token per row) planned before their tokens are known: every row of
+        it not finished yet and not at max_tokens once `in_flight` more tokens are counted, one position on, its
+        block grown. None when a row finds no free block (the caller drains and lets schedule() preempt) or when a
+        row waits: admitting it is schedule()'s. Rows that end with the step in flight decode once more in vain;
+        update() ends them and commit() of the next step must leave them out (it does: see commit)."""
+        if self.waiting:
+            return None
+        nxt = []
+        for c in chunks:
+            seq = c.seq
+            if seq.status != RUNNING or len(seq.output) + in_flight >= self.max_tokens:
+                continue
+            if not self._grow(seq, c.end + 1):
+                return None
+            nxt.append(Chunk(seq, c.end, c.end + 1))
+        return nxt
+
+    def count_step(self) -> None:
+        """A step planned by next_decode was launched: the stats schedule() keeps for its own steps."""
+        self.stats["steps"] += 1
+        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], self.alloc.num_usable - self.alloc.num_free)
+
     def _admit_waiting(self, budget: int, chunks: list) -> None:
         """Admit waiting rows in order (preempted rows first) while budget, row cap and blocks last."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -199,9 +222,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------- after the forward
     def commit(self, chunks) -> None:
-        """The chunks' K/V are in the pool now; a row past its full prompt blocks offers them to its group."""
+        """The chunks' K/V are in the pool now; a row past its full prompt blocks offers them to its group. Chunks
+        of rows that ended meanwhile (a step planned ahead by next_decode) are left out."""
         for c in chunks:
             seq, group = c.seq, c.seq.group
+            if seq.status == FINISHED:
+                continue
             prompt_part = max(0, min(c.end, group.prompt_len) - c.start)
             self.stats["prefill_tokens"] += prompt_part
             self.stats["decode_tokens"] += c.end - c.start - prompt_part

@@ -1,6 +1,8 @@
 """qerl.quant.dispatch.choose_kernel, the one rule that picks the FP4 kernel, pinned as a table (no GPU needed)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -156,6 +158,43 @@ def test_cpu_calls_run_the_reference_bit_for_bit():
     assert torch.equal(dispatch.fp4_matmul_t(g, packed, scale, gs), reference_fp4_matmul_t(g, packed, scale, gs))
     w = torch.randn(16, 64)
     assert torch.equal(dispatch.small_matmul(x[0], w), x[0] @ w.T)
+
+
+def test_humming_epilogue_adds_every_segments_lora_in_one_gemm_with_the_block_diagonal_b(monkeypatch):
+    """Around humming's GEMM (stood in for by the reference on CPU), bias and the stacked LoRA: the
+    per-segment B products and the one GEMM over the block-diagonal B give the reference's result; the block-diagonal
+    path runs a single addmm; a B of the wrong layout is one line."""
+    from qerl.quant.kernels import humming_fp4
+    from qerl.quant.reference import reference_fp4_lora_matmul
+
+    sizes, k, r = [32, 16, 16], 64, 4
+    parts = [_weight(n, k, seed=i) for i, n in enumerate(sizes)]
+    wp, ws = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    gs = torch.cat([p[2].reshape(1) for p in parts])
+    torch.manual_seed(1)
+    x, bias = torch.randn(5, k), torch.randn(sum(sizes))
+    a, b = torch.randn(3 * r, k), torch.randn(sum(sizes), r)
+    diag = torch.zeros(sum(sizes), 3 * r)
+    for i, (lo, hi) in enumerate(((0, 32), (32, 48), (48, 64))):
+        diag[lo:hi, i * r:(i + 1) * r] = b[lo:hi]
+
+    def gemm(x2, packed, scale, global_scale, segments, out):  # each segment with its own global scale
+        bounds = torch.tensor([0, *segments]).cumsum(0).tolist()
+        return out.copy_(torch.cat([reference_fp4_matmul(x2, packed[lo:hi], scale[lo:hi], global_scale[i:i + 1])
+                                    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))], dim=-1))
+
+    monkeypatch.setattr(humming_fp4, "fp4_matmul_humming", gemm)
+    ref = reference_fp4_lora_matmul(x, wp, ws, gs, bias, a, b, 0.5, sizes)
+    run = functools.partial(dispatch.run_fp4_matmul, x, wp, ws, gs, bias, a, b, 0.5, segments=sizes, kernel="humming")
+    torch.testing.assert_close(run(), ref)
+    calls = []
+    real_addmm = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda t, *args, **kw: calls.append(t.shape) or real_addmm(t, *args,
+                                                                                                          **kw))
+    torch.testing.assert_close(run(lora_b_diag=diag), ref)
+    assert calls == [(5, sum(sizes))]  # one GEMM over the whole output
+    with pytest.raises(QerlError, match="lora_b_diag must be"):
+        run(lora_b_diag=diag[:, :r])
 
 
 def test_a_forced_kernel_must_be_one_of_the_known_names():

@@ -46,8 +46,10 @@ def test_codes_and_group_scales_are_read_bit_for_bit():
 
 
 @pytest.mark.parametrize("rows", [17, 64, 200, 512])
-@pytest.mark.parametrize("case", ["one", "stacked-shared", "stacked-own", "lora-bias"])
+@pytest.mark.parametrize("case", ["one", "stacked-shared", "stacked-own", "lora-bias", "stacked-lora-diag"])
 def test_forward_matches_float64_reference(rows, case):
+    """stacked-lora-diag: q|k|v-like segments with their own global scales, LoRA A stacked per segment and B given
+    block-diagonally too (one cuBLAS GEMM adds every segment's product)."""
     hf = _humming()
     sizes = [512] if case in ("one", "lora-bias") else [512, 128, 128]
     k = 1024
@@ -56,13 +58,18 @@ def test_forward_matches_float64_reference(rows, case):
         gs = gs[:1]
     n = sum(sizes)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    bias = lora_a = lora_b = None
-    if case == "lora-bias":
+    bias = lora_a = lora_b = diag = None
+    if case in ("lora-bias", "stacked-lora-diag"):
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        lora_a = torch.randn(8, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        lora_a = torch.randn(8 * len(sizes), k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         lora_b = torch.randn(n, 8, device="cuda", dtype=torch.bfloat16)
+    if case == "stacked-lora-diag":
+        diag = torch.zeros(n, 8 * len(sizes), device="cuda", dtype=torch.bfloat16)
+        for i, (a, b) in enumerate(_bounds(sizes)):
+            diag[a:b, 8 * i:8 * (i + 1)] = lora_b[a:b]
     segments = sizes if len(sizes) > 1 else None
-    out = run_fp4_matmul(x, wp, ws, gs, bias, lora_a, lora_b, 0.5, segments=segments, kernel="humming")
+    out = run_fp4_matmul(x, wp, ws, gs, bias, lora_a, lora_b, 0.5, segments=segments, kernel="humming",
+                         lora_b_diag=diag)
     if lora_a is not None:
         ref = reference_fp4_lora_matmul(x.double(), wp, ws, gs, bias.double(), lora_a.double(), lora_b.double(), 0.5,
                                         segments)
@@ -72,7 +79,7 @@ def test_forward_matches_float64_reference(rows, case):
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     # bf16 rounding of the output and of the LoRA term (2^-8 each) plus, for stacked weights with their own global scales, the reciprocal scales
     # held per channel in bf16 (another 2^-9)
-    tol = 1.6e-2 if case == "stacked-own" else 1.2e-2
+    tol = 1.6e-2 if case in ("stacked-own", "stacked-lora-diag") else 1.2e-2
     err = (out.double() - ref).abs().max() / ref.abs().max()
     assert err < tol, err
     hf.clear()

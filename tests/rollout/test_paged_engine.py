@@ -225,6 +225,10 @@ def test_bucketed_decode_steps_equal_torch_engine(model64, model_and_tok, prompt
     out = engine.generate(prompts, 3, params)
     same_rows(out, ref, atol=1e-9)
     assert out.stats["graph_eager_steps"] == 10 - 1 and out.stats["graph_captures"] == 0  # no graphs on CPU
+    # the time blocked on the step's result is part of the decode steps' time; prefill steps have no static buffers
+    assert 0 < out.stats["step_wait_s_decode_1_32"] <= out.stats["step_s_decode_1_32"]
+    assert out.stats["step_wait_s_prefill"] == 0
+    assert out.stats["graph_wait_s"] == pytest.approx(out.stats["step_wait_s_decode_1_32"])
     graphs = engine._graphs
     again = engine.generate(prompts[:1], 3, params)
     assert engine._graphs is graphs and again.completion_ids == out.completion_ids[:3]
