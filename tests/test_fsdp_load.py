@@ -119,10 +119,10 @@ def test_rank_0_alone_reads_and_every_rank_gets_the_one_process_model(model_dir,
     got = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
     main, size = got[0], _model_mb(model_dir)
     assert main["opened"] and main["same_names"] and main["load_exact"]  # bit-exact after the load
-    # peak RSS growth: rank 0 mapped and read the whole checkpoint; every other rank its shard (1/world) and one
-    # tensor in flight, never a whole model (freed allocator space of the imports absorbs a part of each)
+    # peak RSS growth: every rank other than 0 holds its shard (1/world) and one tensor in flight, never a whole
+    # model. Only an upper bound: the peak is the process's lifetime peak, which the imports may already exceed on
+    # some machines (growth 0), so that rank 0's read is checked by the files it opened, not by its memory
     print(f"peak RSS growth MB by rank {[round(g['load_mb']) for g in got]}, model {size:.0f} MB")
-    assert main["load_mb"] > 0.75 * size
     for g in got[1:]:
         assert g["opened"] == []  # no other rank read a weight
         assert g["load_mb"] < size / world + 0.25 * size, (g["load_mb"], size)
