@@ -3,8 +3,6 @@ previous step's output on the device, rows that ended discovered one step late. 
 steps' bodies eager; compared with the synchronous steps in float64 (see test_paged_engine's docstring)."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -14,18 +12,8 @@ from qerl.rollout.kv_pool import BlockAllocator
 from qerl.rollout.paged_engine import PagedEngine
 from qerl.rollout.paged_graphs import DecodeGraphs
 from qerl.rollout.scheduler import Chunk, Scheduler
+from tests.rollout.conftest import TEXTS
 
-TEXTS = ["Hello there, how are you today?", "2+2=", "The quick brown fox jumps over the lazy dog, twice."]
-
-
-@pytest.fixture(scope="module")
-def model64(model_and_tok):
-    return copy.deepcopy(model_and_tok[0]).double()
-
-
-@pytest.fixture(scope="module")
-def prompts(model_and_tok):
-    return [model_and_tok[1](t)["input_ids"] for t in TEXTS]
 
 
 def spy_launches(monkeypatch):

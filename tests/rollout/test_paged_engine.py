@@ -14,18 +14,8 @@ from qerl.errors import QerlError
 from qerl.rollout import SamplingParams
 from qerl.rollout.paged_engine import PagedEngine
 from qerl.rollout.torch_engine import TorchEngine
+from tests.rollout.conftest import TEXTS
 
-TEXTS = ["Hello there, how are you today?", "2+2=", "The quick brown fox jumps over the lazy dog, twice."]
-
-
-@pytest.fixture(scope="module")
-def model64(model_and_tok):
-    return copy.deepcopy(model_and_tok[0]).double()
-
-
-@pytest.fixture(scope="module")
-def prompts(model_and_tok):
-    return [model_and_tok[1](t)["input_ids"] for t in TEXTS]  # 8, 4 and 12 tokens
 
 
 def same_rows(a, b, atol=1e-5):
