@@ -25,7 +25,7 @@ def pipelined_decode(sched: Scheduler, chunks, graphs, uniforms, finish_reasons,
     ahead; yields (rows, wall seconds, seconds blocked on the GPU) per step read. Yields nothing when the first
     step cannot be launched this way (its bucket has no graph yet): the caller runs it synchronously."""
     start = time.perf_counter()
-    pending = graphs.launch(*_inputs(chunks, None, uniforms, block_size), buf=0)
+    pending = graphs.launch(*step_inputs(chunks, None, uniforms, block_size), buf=0)
     if pending is None:
         return
     buf = 0
@@ -33,7 +33,7 @@ def pipelined_decode(sched: Scheduler, chunks, graphs, uniforms, finish_reasons,
         nxt = sched.next_decode(chunks)
         nxt_pending = None
         if nxt:
-            nxt_pending = graphs.launch(*_inputs(nxt, chunks, uniforms, block_size), buf=buf ^ 1)
+            nxt_pending = graphs.launch(*step_inputs(nxt, chunks, uniforms, block_size), buf=buf ^ 1)
             if nxt_pending is not None:
                 sched.count_step()
                 buf ^= 1
@@ -54,9 +54,9 @@ def pipelined_decode(sched: Scheduler, chunks, graphs, uniforms, finish_reasons,
         chunks, pending = nxt, nxt_pending
 
 
-def _inputs(chunks, previous, uniforms, block_size: int):
-    """DecodeGraphs.launch's inputs for these chunks: token ids from the host for a step planned by schedule(),
-    else each row's index in the previous step (its token is still on the device)."""
+def step_inputs(chunks, previous, uniforms, block_size: int):
+    """DecodeGraphs.run's / launch's inputs for these decode chunks: token ids from the host for a step planned by
+    schedule() (previous None), else each row's index in the previous step (its token is still on the device)."""
     seqs = [c.seq for c in chunks]
     pos = [c.start for c in chunks]
     if previous is None:

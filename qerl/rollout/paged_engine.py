@@ -36,7 +36,7 @@ from qerl.rollout.lora_shadows import lora_in_dtype
 from qerl.rollout.model_state import compile_options, compute_dtype, eos_ids, inference_mode, model_signature
 from qerl.rollout.paged_attention import NAME, PagedMeta, triton_paged
 from qerl.rollout.layer_compile import LayerCompile
-from qerl.rollout.decode_pipeline import pipelined_decode
+from qerl.rollout.decode_pipeline import pipelined_decode, step_inputs
 from qerl.rollout.paged_graphs import DecodeGraphs, compiled_decode_forward
 from qerl.rollout.sampling import row_uniforms, sample_tokens, sampling_key
 from qerl.rollout.scheduler import Scheduler, blocks_for, check_fits
@@ -318,13 +318,8 @@ class PagedEngine(RolloutEngine):
 
     def _bucketed_step(self, sched: Scheduler, chunks, sampling: SamplingParams, uniforms, graphs) -> None:
         """A decode-only step through the static buffers (a graph replay on CUDA); no forks can happen here."""
-        bs = self.block_size
         seqs = [c.seq for c in chunks]
-        pos = [c.start for c in chunks]
-        u = None if uniforms is None else uniforms[1][[s.row for s in seqs], [len(s.output) for s in seqs]]
-        tok, lp = graphs.run([s.tokens[p] for s, p in zip(seqs, pos)], pos,
-                             [s.blocks[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
-                             [s.blocks for s in seqs], [p + 1 for p in pos], u)
+        tok, lp = graphs.run(*step_inputs(chunks, None, uniforms, self.block_size))
         if graphs.compile_failed:
             self.compile = False
         reasons = self._finish_reasons(seqs, tok, sampling)
