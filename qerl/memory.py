@@ -24,9 +24,13 @@ max_completion_length, the longest row; D = bytes of train.dtype (4 for float32,
 total = weights + adapter + rollout + max(gathered, activations) + overhead.
 A card is taken as 80 GiB, a node as 8 of them. The estimate is rough (within tens of percent); it exists to refuse
 what cannot fit, and to name how many GPUs (and nodes) an experiment needs.
+
+Host memory of a train job, per node (the train rule's SLURM --mem): train_job_mem_mb, from which ranks hold a
+whole model on the host (see its docstring).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GPU_GIB = 80.0
@@ -193,6 +197,34 @@ CPU_SIZED = frozenset({"0.1B"})  # model sizes the rules run on the CPU (the dem
 def needs_gpu(model_size: str | None) -> bool:
     """Whether the stages of an experiment of this model_size ask for a GPU (the rules' `gpu` resource)."""
     return bool(model_size) and model_size not in CPU_SIZED
+
+
+PROCESS_MIB = 4096  # a rank's process without a model on the host (~2.6 GiB measured: torch, CUDA, NCCL, compile)
+
+
+def model_mib(model_size: str | None, dtype: str) -> float | None:
+    """The whole model in train.dtype (MiB), or None without a known shape ("auto" trains in bf16 on a GPU)."""
+    shape = SHAPES.get(model_size or "")
+    if shape is None:
+        return None
+    return (shape.linear_params + shape.embedding_params) * (4 if dtype == "float32" else 2) / 2**20
+
+
+def train_job_mem_mb(train, model_size: str | None, rank_mb: int) -> int:
+    """SLURM --mem (MiB) of a train job: per node and one value for all its nodes, so the fullest node's need.
+    rank_mb is a one-rank job's (its process and the model read into host memory); num_nodes changes nothing.
+      CPU-sized model_size: the ranks' weights, states and activations are all host memory: num_gpus x rank_mb
+      LoRA modes, or one rank: every rank, on every node, reads its own base (load_policy): num_gpus x rank_mb
+      mode full on N > 1 ranks (FSDP2): global rank 0 alone reads the checkpoint (qerl.train: the others build
+        on the meta device, local ranks 0 of other nodes too) and gathers each checkpoint's weights and AdamW's two
+        states onto its host (3 x the model in train.dtype, qerl.fsdp.FullySharded.checkpoint_state); every
+        other rank holds its process: max(rank_mb, 3 x model + PROCESS_MIB) + (num_gpus - 1) x PROCESS_MIB
+    A model of unknown shape counts as rank_mb / 2 (the rules size a one-rank job as about two copies of it)."""
+    if not needs_gpu(model_size) or train.mode != "full" or ranks_of(train) == 1:
+        return rank_mb * train.num_gpus
+    model = model_mib(model_size, train.dtype) or rank_mb / 2
+    rank0 = max(rank_mb, 3 * model + PROCESS_MIB)
+    return math.ceil(rank0 + (train.num_gpus - 1) * PROCESS_MIB)
 
 
 _COLUMNS = ("weights", "adapter", "rollout", "activations")

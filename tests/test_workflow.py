@@ -129,20 +129,25 @@ def test_the_run_ends_with_the_accuracies_on_the_console(tmp_path):
 
 def test_multi_gpu_training_runs_torchrun_and_asks_for_its_gpus(plan, tmp_path):
     """qwen7b with train.num_gpus 2: torchrun over 2 ranks of one node and 2 GPUs for the job; the CPU demo keeps
-    the plain `python -m qerl.train` and no GPU."""
+    the plain `python -m qerl.train` and no GPU. Host memory: two 7B bases for LoRA, one model's checkpoint state
+    on rank 0 for mode full (qerl.memory.train_job_mem_mb)."""
     raw = _repo_raw()
     raw["experiments"]["qwen7b"]["train"] = {**raw["experiments"]["qwen7b"]["train"], "num_gpus": 2}
     raw["tokenizer_dir"] = str(REPO.parent / "shared" / "tokenizers" / "qwen2.5")
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(raw))
     proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "1", "--snakefile",
-                           str(REPO / "Snakefile"), "--directory", str(tmp_path), "results/qwen7b/adapter"],
-                          capture_output=True, text=True, timeout=300)
+                           str(REPO / "Snakefile"), "--directory", str(tmp_path), "results/qwen7b/adapter",
+                           "results/qwen7b-bf16-full/adapter"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    qwen = next(b for b in proc.stdout.split("\nrule ")[1:] if b.startswith("train:"))
+    jobs = {b.split("wildcards: experiment=")[1].split()[0]: b for b in proc.stdout.split("\nrule ")[1:]
+            if b.startswith("train:")}
+    qwen = jobs["qwen7b"]
     words = shlex.split(qwen.split("Shell command:")[1].split(">")[0])
     assert words[1:8] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "qerl.train"]
     assert re.search(r"resources: .*\bgpu=2\b", qwen)
+    assert re.search(r"resources: .*\bmem_mb=65536\b", qwen)  # LoRA: each of the 2 ranks reads its 32 GiB base
+    assert re.search(r"resources: .*\bmem_mb=51767\b", jobs["qwen7b-bf16-full"])  # 3 x 14,525 + 2 x 4,096 MiB
     demo = plan[("train", "demo")]
     words = shlex.split(demo.split("Shell command:")[1].split(">")[0])
     assert words[1:4] == ["-m", "qerl.train", "--experiment"]
@@ -240,3 +245,45 @@ def test_config_memory_has_a_header_and_says_where_each_experiment_runs(capsys):
     assert rows["demo"][1] == "CPU" and rows["demo"][-2:] == ["(host", "memory)"]
     assert rows["qwen7b"][1] == "GPU" and rows["qwen7b"][-1] == "1"
     assert not needs_gpu("0.1B") and not needs_gpu(None) and needs_gpu("7B")
+
+
+# The whole model in bf16, from the Qwen2.5 configs: 7B 7,615,283,200 parameters x 2 B = 14,525 MiB; 14B
+# 14,769,192,960 x 2 B = 28,170 MiB. mode full on N > 1 ranks: rank 0's node holds 3 x the model (a checkpoint's
+# weights and AdamW's two states, gathered on rank 0's host) + 4,096 MiB per rank; the LoRA modes a copy per rank.
+FULL_7B, FULL_14B = 3 * 14525 + 4096, 3 * 28170 + 4096  # rank 0: 47,671 and 88,606 MiB
+
+
+@pytest.mark.parametrize("mode, nodes, gpus, size, rank_mb, expected", [
+    ("full", 1, 1, "7B", 32768, 32768),  # one rank: no FSDP, the one-rank job's figure
+    ("full", 1, 2, "7B", 32768, FULL_7B + 4096),  # 51,767
+    ("full", 1, 4, "7B", 32768, FULL_7B + 3 * 4096),  # 59,959
+    ("full", 1, 2, "14B", 65536, FULL_14B + 4096),  # 92,702
+    ("full", 1, 4, "14B", 65536, FULL_14B + 3 * 4096),  # 100,894
+    ("full", 2, 4, "14B", 65536, FULL_14B + 3 * 4096),  # the other node holds 4 processes: rank 0's node is fuller
+    ("full", 2, 1, "7B", 32768, FULL_7B),  # sharded over 2 nodes of 1: rank 0 gathers checkpoints all the same
+    ("full", 1, 2, "70B", 32768, 3 * 16384 + 2 * 4096),  # unknown shape: the model counts as rank_mb / 2
+    ("full", 1, 2, "0.1B", 6000, 12000),  # on the CPU every rank's state is host memory
+    ("lora", 1, 4, "7B", 32768, 4 * 32768),
+    ("lora", 2, 4, "7B", 32768, 4 * 32768),  # per node: that node's 4 ranks
+    ("lora", 2, 1, "14B", 65536, 65536),
+    ("qlora_fp4", 1, 2, "14B", 65536, 2 * 65536),
+    ("qlora_nf4", 1, 4, "7B", 32768, 4 * 32768),
+])
+def test_train_job_memory_is_a_whole_model_where_the_code_loads_one(mode, nodes, gpus, size, rank_mb, expected):
+    from qerl.memory import train_job_mem_mb
+
+    train = parse_section("train", {"data": {"source": "x"}, "mode": mode, "dtype": "bfloat16", "num_gpus": gpus,
+                                    "num_nodes": nodes})
+    assert train_job_mem_mb(train, size, rank_mb) == expected
+
+
+def test_full_training_asks_less_host_memory_than_lora_and_float32_more_than_bf16():
+    """On 4 GPUs a LoRA job's every rank reads its base, a full one's rank 0 alone; float32 doubles the model."""
+    from qerl.memory import train_job_mem_mb
+
+    def mem(mode, dtype="bfloat16"):
+        train = parse_section("train", {"data": {"source": "x"}, "mode": mode, "dtype": dtype, "num_gpus": 4})
+        return train_job_mem_mb(train, "7B", 32768)
+
+    assert (mem("lora"), mem("full")) == (131072, 59959)
+    assert mem("full", "float32") == 3 * 29050 + 4096 + 3 * 4096

@@ -11,7 +11,7 @@ from pathlib import Path
 from qerl.ablation import ablation_run_names, expand_ablations, quantize_sources, render_spec
 from qerl.config import parse_config, section_json
 from qerl.errors import QerlError
-from qerl.memory import needs_gpu
+from qerl.memory import needs_gpu, train_job_mem_mb
 from qerl import paths
 from qerl.paths import Layout
 
@@ -185,8 +185,9 @@ def mem_mb_train(wildcards):
 
 
 def mem_mb_train_job(wildcards):
-    # every rank is a process loading its own copy of the model; SLURM's --mem is per node
-    return mem_mb_train(wildcards) * exp(wildcards).train.num_gpus
+    # SLURM's --mem is per node, and which ranks hold a whole model on the host depends on the mode
+    e = exp(wildcards)
+    return train_job_mem_mb(e.train, e.model_size, mem_mb_train(wildcards))
 
 
 def runtime_train(wildcards):
