@@ -218,7 +218,10 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   update_padded_tokens_ratio=metrics.get("update/padded_tokens_ratio"),
                   update_compiles=compiles, step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                   rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,
-                  peak_gib=torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0)
+                  resident_pool=stats.get("resident_pool"), update_reserve_gib=stats.get("update_bytes", 0) / 2**30,
+                  # the trainer resets the peak at each update: the larger of the rollout's and the update's
+                  peak_gib=max(rollout_peak, torch.cuda.max_memory_allocated()) / 2**30 if args.device == "cuda"
+                  else 0.0)
     result["later_steps"] = [_later_step(args, trainer, engine, len(lengths), cfg.max_completion_length, i)
                              for i in range(1, args.steps if not args.rollout_only else 1)]
     if args.profile_update and not args.rollout_only:
@@ -249,6 +252,7 @@ def _later_step(args, trainer, engine, rows: int, cap: int, i: int) -> dict:
     return {"useful_tokens": sum(engine.lengths), "rollout_s": batch.metrics["timing/rollout"],
             "update_s": metrics["timing/update"], "step_s": time.perf_counter() - t,
             "graph_captures": stats.get("graph_captures"), "graph_build_s": stats.get("graph_build_s"),
+            "pool_kept": stats.get("pool_kept"), "humming_build_s": stats.get("humming_check_build_s", 0.0),
             **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_", "step_wait_s_"))}}
 
 
@@ -340,7 +344,11 @@ def _table(rows: list[dict]) -> str:
             later = r["later_steps"]
             mean = {k: sum(x[k] for x in later) / len(later) for k in ("rollout_s", "update_s", "step_s")}
             lines.append(f"{r['mode']:10s} steps 2-{len(later) + 1} (fresh lengths), mean: rollout "
-                         f"{mean['rollout_s']:.1f} s, update {mean['update_s']:.1f} s, step {mean['step_s']:.1f} s")
+                         f"{mean['rollout_s']:.1f} s, update {mean['update_s']:.1f} s, step {mean['step_s']:.1f} s; "
+                         f"pool kept {sum(bool(x.get('pool_kept')) for x in later)} of {len(later)}, graph builds "
+                         f"{sum(x.get('graph_build_s') or 0 for x in later):.2f} s, humming copies "
+                         f"{sum(x.get('humming_build_s') or 0 for x in later):.2f} s (resident pool "
+                         f"{r.get('resident_pool')}, update reserve {r.get('update_reserve_gib', 0):.1f} GiB)")
     by = {r["mode"]: r for r in rows}
     if "fp4+lora" in by and "bf16+lora" in by and by["fp4+lora"]["update_s"] and by["bf16+lora"]["update_s"]:
         f, b = by["fp4+lora"], by["bf16+lora"]

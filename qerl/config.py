@@ -4,9 +4,9 @@
     python -m qerl.config check config/config.yaml                       # validate, one line per problem
     python -m qerl.config memory config/config.yaml                      # GPU memory per rank (qerl.memory)
 
-Knob names follow TRL where TRL has one (num_generations, beta, epsilon, epsilon_high, loss_type,
-max_completion_length, learning_rate, lora_r, lora_alpha); AQN uses the paper's (sigma_start, sigma_end,
-num_stages). Every section forbids unknown keys, so a typo fails at parse time with the key's dotted path.
+Knob names follow TRL where TRL has one (num_generations, beta, epsilon, epsilon_high, loss_type, learning_rate,
+max_completion_length, lora_r, lora_alpha); AQN uses the paper's (sigma_start, sigma_end, num_stages). Every section
+forbids unknown keys, so a typo fails at parse time with the key's dotted path.
 """
 from __future__ import annotations
 
@@ -108,8 +108,8 @@ class RolloutConfig(_Section):
                                         "chunks + one per decoding row)")
     max_num_seqs: int | None = Field(None, ge=1, description="paged: rows decoded at once (None: as blocks allow)")
     compile: bool | Literal["auto"] = Field("auto", description="torch / paged: torch.compile the decode step in its "
-                                            "CUDA graphs (auto: on CUDA; paged: each decoder layer, one compile for "
-                                            "all); the first 7B rollout compiles and captures for 1-2 min")
+                                            "CUDA graphs (auto: on CUDA; paged: each decoder layer, one compile)")
+    keep_resident: bool = Field(True, description="paged: keep KV pool, graphs, copies across updates if both fit")
 
 
 class TrainConfig(_Section):

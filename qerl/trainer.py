@@ -31,6 +31,7 @@ from qerl.optim import build_optimizer
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
 from qerl.rollout.attention import sdpa_without_cudnn
+from qerl.rollout.residency import UpdateMemory, update_reserve
 
 if TYPE_CHECKING:  # pydantic is not on the GPU image; the trainer only reads the config's attributes
     from qerl.checkpoint import Fingerprint
@@ -55,7 +56,8 @@ def engine_options(cfg: TrainConfig) -> dict[str, Any]:
     r = cfg.rollout
     if r.engine == "paged":
         return {"gpu_memory_utilization": r.gpu_memory_utilization, "block_size": r.block_size, "compile": r.compile,
-                "max_num_batched_tokens": r.max_num_batched_tokens, "max_num_seqs": r.max_num_seqs}
+                "max_num_batched_tokens": r.max_num_batched_tokens, "max_num_seqs": r.max_num_seqs,
+                "resident": "auto" if r.keep_resident else False}
     if r.engine == "torch":
         return {"compile": r.compile}
     if r.engine == "vllm":
@@ -310,8 +312,12 @@ class GRPOTrainer:
         knobs = (f"lower train.micro_batch_size (now {cfg.micro_batch_size}) or max_completion_length (now "
                  f"{cfg.max_completion_length}), or turn on gradient_checkpointing (now {cfg.gradient_checkpointing}) "
                  f"and offload_activations (now {cfg.offload_activations})")
-        with out_of_memory_names(f"the update of step {step + 1}", knobs):
-            return self._update(batch, step)
+        with out_of_memory_names(f"the update of step {step + 1}", knobs), UpdateMemory(self.device) as meter:
+            metrics = self._update(batch, step)
+        if hasattr(self.engine, "plan_update"):  # what later updates need free beside a resident engine
+            self.engine.plan_update(update_reserve(meter.growth, batch.input_ids.shape[1],
+                                                   cfg.max_prompt_length + cfg.max_completion_length))
+        return metrics
 
     def _update(self, batch: Batch, step: int) -> dict[str, float]:
         cfg = self.cfg

@@ -31,13 +31,15 @@ from qerl.quant.kernels import humming_fp4
 from qerl.quant.linear import DENSE_COPY_MIN_ROWS
 from qerl.rollout.attention import attention_implementation, sdpa_without_cudnn
 from qerl.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
-from qerl.rollout.kv_pool import BlockAllocator, KVPool, expandable_segments, free_device_memory, kv_shape
+from qerl.rollout.kv_pool import (BlockAllocator, KVPool, bytes_per_token, expandable_segments, free_device_memory,
+                                  kv_shape)
 from qerl.rollout.lora_shadows import lora_in_dtype
 from qerl.rollout.model_state import compile_options, compute_dtype, eos_ids, inference_mode, model_signature
 from qerl.rollout.paged_attention import NAME, PagedMeta, triton_paged
 from qerl.rollout.layer_compile import LayerCompile
 from qerl.rollout.decode_pipeline import pipelined_decode, step_inputs
 from qerl.rollout.paged_graphs import DecodeGraphs, compiled_decode_forward
+from qerl.rollout.residency import resident_blocks
 from qerl.rollout.sampling import row_uniforms, sample_tokens, sampling_key
 from qerl.rollout.scheduler import Scheduler, blocks_for, check_fits
 
@@ -67,13 +69,16 @@ class PagedEngine(RolloutEngine):
     copies take at most a quarter of the free memory (7B on an 80 GB GPU: yes; 32B: no).
     pipeline_decode: runs of bucketed decode steps keep one step in flight, the host planning the next while the
     device runs one (qerl.rollout.decode_pipeline; same rows): True, False, or "auto" = on CUDA.
+    resident: "auto" = once plan_update() has said what the policy update needs, size the next pool to hold every
+    row at full length and leave that free, and keep pool, graphs and copies across sleep() (qerl.rollout.residency)
+    when the card has room; False = give everything back at every sleep().
     """
 
     def __init__(self, model, tokenizer, *, block_size: int = 16, num_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.85, max_num_batched_tokens: int = 8192,
                  max_num_seqs: int | None = None, eos_token_ids=None, decode_buckets="auto",
                  compile="auto", lora_dtype="auto", fuse_projections="auto", dense_weights="auto",
-                 pipeline_decode="auto"):
+                 pipeline_decode="auto", resident="auto"):
         for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise QerlError(f"PagedEngine.{name}: expected an int >= 1, got {value!r}")
@@ -93,6 +98,9 @@ class PagedEngine(RolloutEngine):
             raise QerlError(f"PagedEngine.dense_weights: expected True, False or 'auto', got {dense_weights!r}")
         if pipeline_decode not in (True, False, "auto"):
             raise QerlError(f"PagedEngine.pipeline_decode: expected True, False or 'auto', got {pipeline_decode!r}")
+        if resident not in (False, "auto"):
+            raise QerlError(f"PagedEngine.resident: expected False or 'auto', got {resident!r}")
+        self.resident, self.update_bytes, self._resident_pool = resident, None, False
         self.dense_weights, self.dense_bytes = dense_weights, 0
         self.humming_bytes, self.humming_check = 0, {}
         self.dense_check: dict = {}  # the last "auto" decision: bytes needed and free, kept or not
@@ -126,8 +134,12 @@ class PagedEngine(RolloutEngine):
         clock = CompileClock()
         if self.num_blocks is not None:  # known size: refuse before allocating anything
             check_fits(prompts, sampling.max_tokens, self.block_size, self.num_blocks)
-        if self.pool is not None and self._pool_rows and len(prompts) * n > self._pool_rows:
-            self._release_pool()  # its forward reserve was sized for fewer sampling rows
+        if self.pool is not None and (self._pool_rows and len(prompts) * n > self._pool_rows or self._resident_pool
+                                      and self._full_need(prompts, n, sampling.max_tokens) > self.pool.num_blocks):
+            self._release_pool()  # its forward reserve was sized for fewer rows, or it holds fewer at full length
+        kept = self.pool is not None
+        if kept:  # the copies too: nothing was built for this call
+            self.humming_check.pop("build_s", None)
         if self.pool is None:  # the copies first, so that the pool is sized from what they leave
             self._keep_humming_copies(len(prompts) * n)
             self._keep_dense_copies(len(prompts) * n)
@@ -157,7 +169,8 @@ class PagedEngine(RolloutEngine):
                     waits[key] += waited
         graph_stats = {k: v - before[k] for k, v in graphs.stats.items()} if graphs is not None else {}
         compiled = _log_compiles(clock.summary())
-        self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes,
+        self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes, pool_kept=kept,
+                          resident_pool=self._resident_pool, update_bytes=self.update_bytes or 0,
                           dense_copy_bytes=self.dense_bytes, projection_groups=len(self._groups), **graph_stats,
                           **{f"dense_check_{k}": v for k, v in self.dense_check.items()},
                           humming_bytes=self.humming_bytes, **compiled,
@@ -197,6 +210,10 @@ class PagedEngine(RolloutEngine):
         if self.pool is not None:
             self.pool.release()
         self.pool, self._graphs = None, None  # graphs read the pool (and the dense copies) by address
+        self._resident_pool = False
+
+    def _full_need(self, prompts, n: int, max_tokens: int) -> int:  # every row at full length + the null block
+        return 1 + n * sum(blocks_for(len(p) + max_tokens - 1, self.block_size) for p in prompts)
 
     def _keep_humming_copies(self, rows: int) -> None:
         """humming's repacked FP4 weights for this call (its GEMMs from HUMMING_MIN_ROWS rows), when they leave
@@ -236,8 +253,15 @@ class PagedEngine(RolloutEngine):
                 return
         self.dense_bytes = attach_dense_copies(self.model, self._groups, compute_dtype(self.model))
 
+    def plan_update(self, update_bytes: int | None) -> None:
+        """Bytes the policy update needs free between rollouts (residency.update_reserve), for the next pool."""
+        self.update_bytes = update_bytes if self.resident == "auto" and self.device.type == "cuda" else None
+
     def sleep(self) -> None:
-        """Between rollouts the pool's memory belongs to the update (the pool was sized from free memory)."""
+        """Between rollouts the pool's memory goes to the update, unless it is resident and the update fits beside."""
+        if self.pool is not None and self._resident_pool and self.update_bytes is not None \
+                and free_device_memory(self.device) >= self.update_bytes:
+            return
         self.release()
 
     def close(self) -> None:
@@ -366,15 +390,21 @@ class PagedEngine(RolloutEngine):
     # ---------------------------------------------------------------- the pool
     def _pool_for(self, prompts, n: int, max_tokens: int) -> KVPool:
         if self.num_blocks is None and self.device.type != "cuda":  # CPU: room for every row, no preemption
-            need = 1 + n * sum(blocks_for(len(p) + max_tokens - 1, self.block_size) for p in prompts)
+            need = self._full_need(prompts, n, max_tokens)
             if self.pool is None or self.pool.num_blocks < need:
                 self._release_pool()
                 self.pool = KVPool(self.model, self.block_size, need)
         elif self.pool is None:
             self._pool_rows = len(prompts) * n  # set only for a pool sized from free memory
-            self.pool = KVPool(self.model, self.block_size, self.num_blocks, self.gpu_memory_utilization,
-                               reserve_bytes=_forward_reserve(self.model, self.max_num_batched_tokens,
-                                                              self.max_num_seqs, len(prompts) * n))
+            reserve = _forward_reserve(self.model, self.max_num_batched_tokens, self.max_num_seqs, len(prompts) * n)
+            blocks = None
+            if self.num_blocks is None and self.update_bytes is not None:
+                blocks = resident_blocks(self._full_need(prompts, n, max_tokens), free_device_memory(self.device),
+                                         self.gpu_memory_utilization, reserve, self.update_bytes,
+                                         self.block_size * bytes_per_token(self.model))
+            self.pool = KVPool(self.model, self.block_size, blocks or self.num_blocks, self.gpu_memory_utilization,
+                               reserve_bytes=reserve)
+            self._resident_pool = blocks is not None
         return self.pool
 
 
