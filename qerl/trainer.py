@@ -312,6 +312,8 @@ class GRPOTrainer:
         knobs = (f"lower train.micro_batch_size (now {cfg.micro_batch_size}) or max_completion_length (now "
                  f"{cfg.max_completion_length}), or turn on gradient_checkpointing (now {cfg.gradient_checkpointing}) "
                  f"and offload_activations (now {cfg.offload_activations})")
+        if getattr(self.engine, "resident_now", False):  # its pool and graphs stay in memory during the update
+            knobs += ", or set rollout.keep_resident: false"
         with out_of_memory_names(f"the update of step {step + 1}", knobs), UpdateMemory(self.device) as meter:
             metrics = self._update(batch, step)
         if hasattr(self.engine, "plan_update"):  # what later updates need free beside a resident engine

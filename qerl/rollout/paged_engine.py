@@ -69,9 +69,8 @@ class PagedEngine(RolloutEngine):
     copies take at most a quarter of the free memory (7B on an 80 GB GPU: yes; 32B: no).
     pipeline_decode: runs of bucketed decode steps keep one step in flight, the host planning the next while the
     device runs one (qerl.rollout.decode_pipeline; same rows): True, False, or "auto" = on CUDA.
-    resident: "auto" = once plan_update() has said what the policy update needs, size the next pool to hold every
-    row at full length and leave that free, and keep pool, graphs and copies across sleep() (qerl.rollout.residency)
-    when the card has room; False = give everything back at every sleep().
+    resident: "auto" = once plan_update() gave the update's need, the next pool holds every row at full length and
+    leaves that free, and pool, graphs and copies stay across sleep() (qerl.rollout.residency); False: never.
     """
 
     def __init__(self, model, tokenizer, *, block_size: int = 16, num_blocks: int | None = None,
@@ -252,6 +251,8 @@ class PagedEngine(RolloutEngine):
             if not self.dense_check["kept"]:
                 return
         self.dense_bytes = attach_dense_copies(self.model, self._groups, compute_dtype(self.model))
+
+    resident_now = property(lambda self: self.pool is not None and self._resident_pool)  # kept through an update
 
     def plan_update(self, update_bytes: int | None) -> None:
         """Bytes the policy update needs free between rollouts (residency.update_reserve), for the next pool."""

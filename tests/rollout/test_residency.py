@@ -80,6 +80,17 @@ def test_trainer_plans_each_update_from_its_measured_peak(tiny_model_dir, tmp_pa
     longest = cfg.max_prompt_length + cfg.max_completion_length
     assert planned[-1] == update_reserve(3 * GIB, batch.input_ids.shape[1], longest) > 3 * GIB
 
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch.Tensor, "backward", oom)
+    with pytest.raises(QerlError, match="micro_batch_size") as err:
+        trainer.update(batch, 0)
+    assert "keep_resident" not in str(err.value)  # nothing was kept through this update
+    monkeypatch.setattr(type(trainer.engine), "resident_now", property(lambda self: True))
+    with pytest.raises(QerlError, match=r"or set rollout.keep_resident: false$"):
+        trainer.update(batch, 0)
+
 
 @pytest.mark.gpu
 def test_gpu_resident_engine_keeps_pool_and_graphs_and_reads_the_updated_weights():
