@@ -191,10 +191,11 @@ def _grpo_step(trainer, prompts, lock: GpuLock, profile_update: bool = False) ->
         counts = _allocator_counts()
         start = time.perf_counter()
         batch = trainer.rollout(1)
-        metrics = trainer.update(batch, 1)
+        rollout_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        metrics = trainer.update(batch, 1)  # resets the peak counter when it starts (residency's measurement)
         sync()
         step = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    peak = max(rollout_peak, torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
     result = {"rows": batch.input_ids.shape[0], "prompt_len": batch.input_ids.shape[1] - batch.completion_len,
               "completion_len": batch.completion_len, "micro_batch_size": cfg.micro_batch_size,
               "rollout_seconds": batch.metrics["timing/rollout"], "rollout_tokens": batch.metrics["rollout_tokens"],

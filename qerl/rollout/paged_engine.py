@@ -69,8 +69,9 @@ class PagedEngine(RolloutEngine):
     copies take at most a quarter of the free memory (7B on an 80 GB GPU: yes; 32B: no).
     pipeline_decode: runs of bucketed decode steps keep one step in flight, the host planning the next while the
     device runs one (qerl.rollout.decode_pipeline; same rows): True, False, or "auto" = on CUDA.
-    resident: "auto" = once plan_update() gave the update's need, the next pool holds every row at full length and
-    leaves that free, and pool, graphs and copies stay across sleep() (qerl.rollout.residency); False: never.
+    resident: "auto" = once plan_update() gave the update's need, the next pool leaves that free (holding every row at
+    full length, or what the last call used and more) and stays with graphs and copies across sleep()
+    (qerl.rollout.residency); False: never.
     """
 
     def __init__(self, model, tokenizer, *, block_size: int = 16, num_blocks: int | None = None,
@@ -133,9 +134,8 @@ class PagedEngine(RolloutEngine):
         clock = CompileClock()
         if self.num_blocks is not None:  # known size: refuse before allocating anything
             check_fits(prompts, sampling.max_tokens, self.block_size, self.num_blocks)
-        if self.pool is not None and (self._pool_rows and len(prompts) * n > self._pool_rows or self._resident_pool
-                                      and self._full_need(prompts, n, sampling.max_tokens) > self.pool.num_blocks):
-            self._release_pool()  # its forward reserve was sized for fewer rows, or it holds fewer at full length
+        if self.pool is not None and self._pool_rows and len(prompts) * n > self._pool_rows:
+            self._release_pool()  # its forward reserve was sized for fewer sampling rows
         kept = self.pool is not None
         if kept:  # the copies too: nothing was built for this call
             self.humming_check.pop("build_s", None)
@@ -402,7 +402,7 @@ class PagedEngine(RolloutEngine):
             if self.num_blocks is None and self.update_bytes is not None:
                 blocks = resident_blocks(self._full_need(prompts, n, max_tokens), free_device_memory(self.device),
                                          self.gpu_memory_utilization, reserve, self.update_bytes,
-                                         self.block_size * bytes_per_token(self.model))
+                                         self.block_size * bytes_per_token(self.model), last=self.stats)
             self.pool = KVPool(self.model, self.block_size, blocks or self.num_blocks, self.gpu_memory_utilization,
                                reserve_bytes=reserve)
             self._resident_pool = blocks is not None

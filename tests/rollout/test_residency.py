@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from qerl.errors import QerlError
-from qerl.rollout.residency import MARGIN, SLACK_BYTES, UpdateMemory, resident_blocks, update_reserve
+from qerl.rollout.residency import (LAST_PEAK_MARGIN, MARGIN, SLACK_BYTES, UpdateMemory, resident_blocks,
+                                    update_reserve)
 
 GIB = 1 << 30
 
@@ -28,6 +29,23 @@ def test_resident_pool_holds_every_row_and_leaves_the_update_free():
     assert resident_blocks(need, free, 0.85, 2 * GIB, 60 * GIB, block) is None  # 85 - 2 - 60 < 30.1 GiB
     assert resident_blocks(need, free, 0.85, 2 * GIB, None, block) is None  # no update planned: as before
     assert resident_blocks(1, free, 0.85, 0, 0, block) is None  # block 0 is the null block: two at least
+
+
+def test_a_pool_short_of_full_length_must_beat_what_the_last_call_used():
+    """The paper's 1,024-row 7B step cannot hold every row at full length beside its update on any card; a resident
+    pool of what is left serves it when that is well above the blocks the last (released) rollout used."""
+    block = 16 * 57344
+    need = 1 + 1024 * 288  # 1,024 rows of 4,608 tokens: 264 GiB
+    free, reserve, update = 125 * GIB, 2 * GIB, 35 * GIB
+    budget = (int(free * 0.85) - reserve - update) // block  # ~68 GiB of blocks
+    assert resident_blocks(need, free, 0.85, reserve, update, block) is None  # nothing known of the last call
+    used = {"peak_blocks": 40000, "preemptions": 0, "num_blocks": 120000}
+    assert resident_blocks(need, free, 0.85, reserve, update, block, last=used) == budget
+    tight = dict(used, peak_blocks=int(budget / LAST_PEAK_MARGIN) + 1)  # the last call used nearly all of it
+    assert resident_blocks(need, free, 0.85, reserve, update, block, last=tight) is None
+    preempted = dict(used, preemptions=3, num_blocks=budget + 1)  # it was short of blocks even with more
+    assert resident_blocks(need, free, 0.85, reserve, update, block, last=preempted) is None
+    assert resident_blocks(need, free, 0.85, reserve, update, block, last=dict(preempted, num_blocks=budget)) == budget
 
 
 def test_update_memory_measures_nothing_off_cuda():
