@@ -8,7 +8,7 @@ import torch
 from qerl.rollout import SamplingParams, layer_compile
 from qerl.rollout.paged_engine import PagedEngine
 
-TEXTS = ["Hello there, how are you today?", "2+2=", "The quick brown fox jumps over the lazy dog, twice."]
+from tests.rollout.conftest import TEXTS  # the three prompts every rollout test decodes
 
 
 def counting_backend():

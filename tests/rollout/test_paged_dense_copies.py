@@ -11,7 +11,7 @@ from qerl.rollout.paged_engine import PagedEngine
 
 from tests.rollout.test_paged_engine import fp4_lora_model, model_state, same_rows
 
-TEXTS = ["Hello there, how are you today?", "2+2=", "The quick brown fox jumps over the lazy dog, twice."]
+from tests.rollout.conftest import TEXTS  # the three prompts every rollout test decodes
 
 
 def _copies(model) -> int:

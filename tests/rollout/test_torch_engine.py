@@ -10,7 +10,7 @@ from qerl.errors import QerlError
 from qerl.rollout import RolloutOutput, SamplingParams, make_engine
 from qerl.rollout.torch_engine import TorchEngine
 
-TEXTS = ["Hello there, how are you today?", "2+2=", "The quick brown fox jumps over the lazy dog, twice."]
+from tests.rollout.conftest import TEXTS  # the three prompts every rollout test decodes
 
 
 @pytest.fixture(scope="module")
