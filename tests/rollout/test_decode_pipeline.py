@@ -12,7 +12,6 @@ from qerl.rollout.kv_pool import BlockAllocator
 from qerl.rollout.paged_engine import PagedEngine
 from qerl.rollout.paged_graphs import DecodeGraphs
 from qerl.rollout.scheduler import Chunk, Scheduler
-from tests.rollout.conftest import TEXTS
 
 
 
@@ -116,17 +115,9 @@ def test_gpu_pipelined_graph_steps_give_the_synchronous_rows():
     """A random FP4 + LoRA Qwen2.5-shaped model on CUDA (24 rows: humming's GEMMs, captured graphs), greedy rows to
     max_tokens: with one step in flight and tokens taken on the device, the same tokens and log-probs as the
     synchronous steps, and both calls replayed captured graphs."""
-    from transformers import AutoTokenizer
+    from tests.rollout.conftest import random_fp4_lora
 
-    from bench.random_models import attach_lora, build_random_model, qwen25_config
-    from tests.conftest import SHARED
-
-    tok = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen2.5")
-    config = qwen25_config("tiny", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2)
-    model = attach_lora(build_random_model(config, fp4=True, seed=0), r=8, alpha=16, fp4=True,
-                        gradient_checkpointing=False)
-    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    model, tok, prompts = random_fp4_lora()
     params = SamplingParams(temperature=0, max_tokens=40)
     outs = {}
     for pipeline in (False, True, False):  # the first call compiles and captures for both

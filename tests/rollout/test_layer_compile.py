@@ -116,17 +116,9 @@ def test_gpu_next_rollout_after_sleep_captures_without_warmup_and_decodes_the_sa
     """A random FP4 + LoRA Qwen2.5-shaped model (24 rows: humming's GEMMs, compiled layers): after sleep() freed
     the pool, the next call captures each bucket at its first step (no eager warm-up: this process ran it) and
     decodes the same rows as the first call."""
-    from transformers import AutoTokenizer
+    from tests.rollout.conftest import random_fp4_lora
 
-    from bench.random_models import attach_lora, build_random_model, qwen25_config
-    from tests.conftest import SHARED
-
-    tok = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen2.5")
-    config = qwen25_config("tiny", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2)
-    model = attach_lora(build_random_model(config, fp4=True, seed=0), r=8, alpha=16, fp4=True,
-                        gradient_checkpointing=False)
-    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    model, tok, prompts = random_fp4_lora()
     engine = PagedEngine(model, tok, block_size=16, num_blocks=128, eos_token_ids=(), compile=True)
     params = SamplingParams(temperature=0, max_tokens=12)
     first = engine.generate(prompts, 8, params)

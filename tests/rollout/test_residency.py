@@ -116,20 +116,11 @@ def test_gpu_resident_engine_keeps_pool_and_graphs_and_reads_the_updated_weights
     stays, with its captured graphs, across sleep(); after an in-place change of LoRA B (as an optimizer step
     makes) the kept graphs give the rows a freshly built pool and fresh captures give; a plan larger than free
     memory gives everything back again."""
-    from transformers import AutoTokenizer
-
-    from bench.random_models import attach_lora, build_random_model, qwen25_config
     from qerl.rollout.base import SamplingParams
     from qerl.rollout.paged_engine import PagedEngine
-    from tests.conftest import SHARED
-    from tests.rollout.conftest import TEXTS
+    from tests.rollout.conftest import random_fp4_lora
 
-    tok = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen2.5")
-    config = qwen25_config("tiny", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2)
-    model = attach_lora(build_random_model(config, fp4=True, seed=0), r=8, alpha=16, fp4=True,
-                        gradient_checkpointing=False)
-    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    model, tok, prompts = random_fp4_lora()
     params = SamplingParams(temperature=0, max_tokens=24)
     engine = PagedEngine(model, tok, gpu_memory_utilization=0.05, eos_token_ids=())
     engine.generate(prompts, 4, params)
