@@ -28,8 +28,8 @@ from qerl.quant.reference import reference_fp4_lora_matmul, reference_fp4_matmul
 
 __all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "HUMMING_MAX_ROWS", "HUMMING_MIN_ROWS", "HUMMING_TABLE_ROWS", "KERNELS",
            "SMALL_MM_MAX_ROWS", "TMA_DENSE_MIN_ROWS", "check_kernel_environment", "choose_kernel", "fp4_cuda_mode",
-           "fp4_humming_mode", "fp4_lora_matmul", "fp4_matmul", "fp4_matmul_t", "pdl_mode", "run_fp4_matmul",
-           "run_fp4_matmul_t", "small_matmul"]
+           "fp4_humming_mode", "fp4_lora_matmul", "fp4_matmul", "fp4_matmul_t", "lora_expand", "pdl_mode",
+           "run_fp4_matmul", "run_fp4_matmul_t", "run_lora_expand", "small_matmul"]
 
 AUTO_ROWS = 8  # QERL_FP4_CUDA=auto: at 9-16 rows the two-tile CUDA kernel lost to Triton (BENCHMARKS.md)
 DENSE_MIN_ROWS = 128  # grad_input, and forward before sm_90: from here dequantize + cuBLAS beats the fused kernels
@@ -38,6 +38,8 @@ DENSE_MIN_ROWS = 128  # grad_input, and forward before sm_90: from here dequanti
 TMA_DENSE_MIN_ROWS = 129
 SMALL_MM_MAX_ROWS = 64  # small_matmul's Triton kernel: a LoRA A at decode (~2 cuBLAS kernels become one)
 SMALL_MM_MAX_N = 256
+EXPAND_MAX_ROWS = 512  # lora_expand's one-pass kernel; from here cuBLAS's GEMM no longer splits K
+EXPAND_MAX_RANK = 128  # its dot takes all of xa's columns (segments x r) at once
 # QERL_FP4_HUMMING=auto: humming-kernels' W4A16 GEMM from here (sm_90+, bf16/fp16 x); below, our few-row kernels
 # win (7B stacked layer at 16 rows: x1.67 vs x1.55 bf16; at 32: x0.93 vs x1.47; H200)
 HUMMING_MIN_ROWS = 17
@@ -77,7 +79,7 @@ def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: 
                   dtype: torch.dtype = torch.bfloat16, w_dtype: torch.dtype | None = None, n: int = 0,
                   nvfp4: bool = True, triton=True, cuda_fits=True, cuda_builds=True, k_ok: bool = True,
                   humming=False, environ=None) -> str:
-    """Which kernel computes `op` ("forward", "backward" or "small"), top row first:
+    """Which kernel computes `op` ("forward", "backward", "small" or "expand"), top row first:
 
     op        | condition                                                        | rows M                | kernel
     ----------|------------------------------------------------------------------|-----------------------|----------
@@ -101,11 +103,14 @@ def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: 
     backward  |                                                                  | >= DENSE_MIN_ROWS     | dense
     small     | N <= 256, x and w both bf16 or both fp16 (any sm)                | <= SMALL_MM_MAX_ROWS  | triton
     small     | otherwise                                                        | any                   | reference
+    expand    | xa has <= 128 columns, base/xa/B all bf16 or all fp16 (any sm)   | <= EXPAND_MAX_ROWS    | triton
+    expand    | otherwise                                                        |   (512)               | reference
 
     "fits" (cuda_fp4.fits): K % 128, N and segment bounds % 16, 16-byte aligned rows. reference = plain torch
     (qerl.quant.reference; x @ w.T for small), cuda = kernels.cuda_fp4, triton = kernels.triton_fp4's fused kernels
     (tiles: kernels.tiling.forward_config / backward_config; small_matmul for small), dense =
-    kernels.triton_dequant (chunked dequantize + cuBLAS). M = 0 launches nothing. A bad QERL_FP4_CUDA is a
+    kernels.triton_dequant (chunked dequantize + cuBLAS), expand = kernels.lora_expand (torch addmm for
+    reference). M = 0 launches nothing. A bad QERL_FP4_CUDA is a
     ValueError on every CUDA forward. Launches of the cuda and triton kernels also read QERL_PDL
     (kernels.device.use_pdl: programmatic dependent launch, by default on sm_90+ inside CUDA-graph capture).
 
@@ -118,8 +123,11 @@ def choose_kernel(op: str, device_type: str, capability: tuple[int, int], rows: 
     if op == "small":
         small_dtypes = dtype in (torch.bfloat16, torch.float16) and (w_dtype or dtype) == dtype
         return "triton" if rows <= SMALL_MM_MAX_ROWS and n <= SMALL_MM_MAX_N and small_dtypes else "reference"
+    if op == "expand":
+        same = dtype in (torch.bfloat16, torch.float16) and (w_dtype or dtype) == dtype
+        return "triton" if rows <= EXPAND_MAX_ROWS and n <= EXPAND_MAX_RANK and same else "reference"
     if op not in ("forward", "backward"):
-        raise ValueError(f"op: expected forward, backward or small, got {op!r}")
+        raise ValueError(f"op: expected forward, backward, small or expand, got {op!r}")
     if not nvfp4 or tuple(capability) < (8, 9):
         return "reference"
     if op == "forward" and _cuda_takes(capability, rows, dtype, cuda_fits, cuda_builds, environ):
@@ -163,10 +171,10 @@ def _humming_fits(x: torch.Tensor, weight_packed: torch.Tensor) -> bool:
 def _triton():
     """The Triton kernel modules, or None when Triton is unavailable or fails to initialise (CPU images)."""
     try:
-        from qerl.quant.kernels import triton_dequant, triton_fp4
+        from qerl.quant.kernels import lora_expand, triton_dequant, triton_fp4
     except Exception:  # ImportError, or Triton failing to initialise without a driver
         return None
-    return types.SimpleNamespace(fp4=triton_fp4, dequant=triton_dequant)
+    return types.SimpleNamespace(fp4=triton_fp4, dequant=triton_dequant, expand=lora_expand)
 
 
 def _capability(t: torch.Tensor) -> tuple[int, int]:
@@ -234,8 +242,13 @@ def _launch_forward(kernel, p: _Prepared, weight_packed, weight_scale, weight_gl
     if kernel == "humming":
         if a is not None and lora_b_diag is not None:
             _check_block_diagonal(lora_b_diag, b, p.x2, n_segments)
-            b = lora_b_diag
-        _humming_forward(p, weight_packed, weight_scale, weight_global_scale, bias, a, b, lora_scale, n_segments)
+        humming_fp4.fp4_matmul_humming(p.x2, weight_packed, weight_scale, weight_global_scale,
+                                       [p.n1, p.n2 - p.n1, p.n - p.n2][:n_segments], p.out)
+        if a is not None:  # bias and every segment's B product in one pass over the output
+            run_lora_expand(p.out, _small_matmul_eager(p.x2, a), b, lora_scale, p.n1, p.n2, bias, lora_b_diag,
+                            out=p.out)
+        elif bias is not None:
+            p.out.add_(bias.to(p.out.dtype))
         return
     if kernel == "cuda":  # x @ A.T inside the same launch, up to the kernel's MAX_FUSED_RANK
         xa = None
@@ -253,23 +266,26 @@ def _launch_forward(kernel, p: _Prepared, weight_packed, weight_scale, weight_gl
                                        lora_scale, p.n1, p.n2, p.out, config, use_asm)
 
 
-def _humming_forward(p: _Prepared, weight_packed, weight_scale, weight_global_scale, bias, a, b, lora_scale,
-                     n_segments) -> None:
-    """humming's GEMM into p.out, then bias and each segment's LoRA B product on its slice (cuBLAS)."""
-    bounds = [(0, p.n1), (p.n1, p.n2), (p.n2, p.n)][:n_segments]
-    segments = [hi - lo for lo, hi in bounds]
-    humming_fp4.fp4_matmul_humming(p.x2, weight_packed, weight_scale, weight_global_scale, segments, p.out)
+def run_lora_expand(base, xa, lora_b, scale: float, n1: int, n2: int, bias=None, lora_b_diag=None, out=None):
+    """base (M, N) (+ bias) + scale * xa @ B.T per segment (bounds n1 <= n2 <= N; segment i reads xa's i-th r
+    columns and B's rows of its segment; B (N, r)) into `out` (new by default, `base` for in place), on
+    choose_kernel("expand"): the one-pass kernel, or torch's addmm (over lora_b_diag (N, segments x r) when given:
+    one GEMM for every segment)."""
+    kernel = choose_kernel("expand", base.device.type, (0, 0), base.shape[0], dtype=base.dtype, w_dtype=lora_b.dtype,
+                           n=xa.shape[1], triton=lambda: _triton() is not None)
+    if kernel == "triton" and xa.dtype == base.dtype:
+        return _triton().expand.lora_expand(base, xa, lora_b, scale, n1, n2, bias, out)
+    out = base.clone() if out is None else (out if out is base else out.copy_(base))
     if bias is not None:
-        p.out.add_(bias.to(p.out.dtype))
-    if a is not None:
-        xa = _small_matmul_eager(p.x2, a)
-        if b.shape[1] == xa.shape[1] and n_segments > 1:  # block-diagonal B: every segment's product in one GEMM
-            p.out.addmm_(xa, b.T, alpha=lora_scale)
-            return
-        r = b.shape[1]
-        for i, (lo, hi) in enumerate(bounds):
-            if hi > lo:
-                p.out[:, lo:hi].addmm_(xa[:, i * r:(i + 1) * r], b[lo:hi].T, alpha=lora_scale)
+        out.add_(bias.to(out.dtype))
+    xa = xa.to(out.dtype)
+    if lora_b_diag is not None and lora_b_diag.shape[1] == xa.shape[1]:
+        return out.addmm_(xa, lora_b_diag.to(out.dtype).T, alpha=scale)
+    n, r = lora_b.shape
+    for i, (lo, hi) in enumerate(((0, n1), (n1, n2), (n2, n))):
+        if hi > lo:
+            out[:, lo:hi].addmm_(xa[:, i * r:(i + 1) * r], lora_b[lo:hi].to(out.dtype).T, alpha=scale)
+    return out
 
 
 def _check_block_diagonal(diag: torch.Tensor, b: torch.Tensor, x2: torch.Tensor, n_segments: int) -> None:
@@ -356,6 +372,26 @@ def _small_matmul_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @_small_matmul_op.register_fake
 def _(x, w):
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("qerl::lora_expand", mutates_args=())
+def _lora_expand_op(base: torch.Tensor, xa: torch.Tensor, lora_b: torch.Tensor, scale: float, n1: int, n2: int,
+                    bias: torch.Tensor | None = None, lora_b_diag: torch.Tensor | None = None) -> torch.Tensor:
+    return run_lora_expand(base, xa, lora_b, scale, n1, n2, bias, lora_b_diag)
+
+
+@_lora_expand_op.register_fake
+def _(base, xa, lora_b, scale, n1, n2, bias=None, lora_b_diag=None):
+    return torch.empty_like(base)
+
+
+def lora_expand(base, xa, lora_b, scale, sizes=None, bias=None, lora_b_diag=None):
+    """base (M, N) (+ bias) + scale * xa @ B.T for up to three stacked LoRA layers (`sizes` along N; xa
+    (M, segments x r) = x @ stacked A.T, B (N, r)) as one op (qerl::lora_expand): one pass over the output on CUDA
+    where choose_kernel("expand") says so, torch's addmm elsewhere. Inference only (no autograd formula)."""
+    sizes = [int(v) for v in (sizes or [base.shape[1]])]
+    bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)] + [base.shape[1]] * 2
+    return _lora_expand_op(base, xa, lora_b, float(scale), bounds[0], bounds[1], bias, lora_b_diag)
 
 
 def fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None):

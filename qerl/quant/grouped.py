@@ -8,10 +8,10 @@
 vLLM fuses these layers at load time (QKVParallelLinear, MergedColumnParallelLinear); here the model stays a
 transformers + peft model, trainable as before, and only inference calls inside `projections_fused` take the
 stacked path. FP4 bases (FP4LoraLinear): `qerl.quant.dispatch.fp4_lora_matmul` with `segments`, one FP4 launch
-(LoRA B in its epilogue, one global scale per member; on humming's kernel and the dense copies one addmm with the
-block-diagonal B) and one x @ A.T launch per group. Dense bases (peft's
-LoRA Linear over nn.Linear, e.g. the bf16 baseline): one cuBLAS GEMM over the stacked weight, one x @ A.T and one
-addmm with the block-diagonal stacked B, instead of four launches per layer. The first member computes the whole
+(LoRA B in its epilogue, one global scale per member; on humming's kernel and the dense copies one
+`qerl.quant.dispatch.lora_expand` pass) and one x @ A.T launch per group. Dense bases (peft's LoRA Linear over
+nn.Linear, e.g. the bf16 baseline): one cuBLAS GEMM over the stacked weight, one x @ A.T and one lora_expand pass
+(every member's B product added to its slice of the output), instead of four launches per layer. The first member computes the whole
 group when it is called; the others return their slice when called with the very same input tensor, and compute
 on their own otherwise (a model that calls them differently stays correct, only unfused). In-place writes to a
 member's weights (load_state_dict, copy_) reach the stacked tensors; moving the model to another device or dtype
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl.quant.dispatch import fp4_lora_matmul, small_matmul
+from qerl.quant.dispatch import fp4_lora_matmul, lora_expand, small_matmul
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _STACKED = ("weight_packed", "weight_scale", "weight_global_scale")
@@ -116,8 +116,8 @@ class ProjectionGroup:
 
     def refresh(self, dtype: torch.dtype) -> None:
         """Stack the members' current adapter weights in `dtype` (into the same buffers when shapes allow, so a
-        captured CUDA graph keeps reading valid addresses). Dense groups get B block-diagonal, so that one GEMM
-        over the stacked x @ A.T adds every member's update."""
+        captured CUDA graph keeps reading valid addresses), B also block-diagonal, so that where torch's addmm
+        adds the B products (lora_expand off its one-pass kernel) one GEMM does every member's."""
         with torch.no_grad():
             a = torch.cat([m.lora_A[self.adapter].weight for m in self.members]).to(dtype)
             b = torch.cat([m.lora_B[self.adapter].weight for m in self.members]).to(dtype)
@@ -126,8 +126,6 @@ class ProjectionGroup:
             for i, size in enumerate(self.sizes):
                 diag[start:start + size, i * r:(i + 1) * r] = b[start:start + size]
                 start += size
-            if self.kind == "dense":
-                b = diag
             if self.lora_a is None or self.lora_a.shape != a.shape or self.lora_a.dtype != dtype:
                 self.lora_a, self.lora_b, self.lora_b_diag = a, b, diag
             else:
@@ -162,15 +160,18 @@ class ProjectionGroup:
                                    self.scaling, self.sizes, self.lora_b_diag)
         x2 = x.reshape(-1, x.shape[-1])
         out = F.linear(x2, self.stacked["weight"], self.bias)
-        xa = small_matmul(x2, self.lora_a)
-        return torch.addmm(out, xa, self.lora_b.T, alpha=self.scaling).reshape(*x.shape[:-1], out.shape[-1])
+        return self._expand(out, x2).reshape(*x.shape[:-1], out.shape[-1])
 
     def _dense_copy_forward(self, x: torch.Tensor) -> torch.Tensor:
         """FP4 group over its dense copy: one cuBLAS GEMM, x @ A.T, then each member's B on its output slice."""
         x2 = x.reshape(-1, x.shape[-1])
         out = F.linear(x2, self.dense, None if self.bias is None else self.bias.to(self.dense.dtype))
-        xa = small_matmul(x2, self.lora_a)
-        return torch.addmm(out, xa, self.lora_b_diag.T, alpha=self.scaling).reshape(*x.shape[:-1], out.shape[-1])
+        return self._expand(out, x2).reshape(*x.shape[:-1], out.shape[-1])
+
+    def _expand(self, out: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """out + every member's B product, in one pass over out (qerl.quant.dispatch.lora_expand)."""
+        return lora_expand(out, small_matmul(x2, self.lora_a), self.lora_b, self.scaling, self.sizes, None,
+                           self.lora_b_diag)
 
     def _usable(self, x: torch.Tensor) -> bool:
         first = self.members[0]

@@ -8,8 +8,8 @@ import torch
 
 from qerl.errors import QerlError
 from qerl.quant import dispatch
-from qerl.quant.dispatch import (AUTO_ROWS, DENSE_MIN_ROWS, HUMMING_MAX_ROWS, HUMMING_MIN_ROWS, SMALL_MM_MAX_ROWS,
-                                 TMA_DENSE_MIN_ROWS, choose_kernel)
+from qerl.quant.dispatch import (AUTO_ROWS, DENSE_MIN_ROWS, EXPAND_MAX_RANK, EXPAND_MAX_ROWS, HUMMING_MAX_ROWS,
+                                 HUMMING_MIN_ROWS, SMALL_MM_MAX_ROWS, TMA_DENSE_MIN_ROWS, choose_kernel)
 from qerl.quant.format import quantize_nvfp4
 from qerl.quant.kernels.cuda_fp4 import MAX_ROWS
 from qerl.quant.reference import reference_fp4_matmul, reference_fp4_matmul_t
@@ -69,6 +69,15 @@ TABLE = [
     ("small", "cuda", H100, 8, {"n": 96, "w_dtype": FP32}, None, "reference"),
     ("small", "cuda", H100, 8, {"n": 96, "triton": False}, None, "reference"),
     ("small", "cpu", (0, 0), 8, {"n": 96}, None, "reference"),
+    # LoRA's B product (n: xa's columns, segments x r): one Triton pass up to EXPAND_MAX_ROWS, any CUDA GPU
+    ("expand", "cuda", A100, 1, {"n": 96}, None, "triton"),
+    ("expand", "cuda", H100, EXPAND_MAX_ROWS, {"n": EXPAND_MAX_RANK, "dtype": FP16}, None, "triton"),
+    ("expand", "cuda", H100, EXPAND_MAX_ROWS + 1, {"n": 96}, None, "reference"),
+    ("expand", "cuda", H100, 64, {"n": EXPAND_MAX_RANK + 1}, None, "reference"),
+    ("expand", "cuda", H100, 64, {"n": 96, "dtype": FP32}, None, "reference"),
+    ("expand", "cuda", H100, 64, {"n": 96, "w_dtype": FP32}, None, "reference"),
+    ("expand", "cuda", H100, 64, {"n": 96, "triton": False}, None, "reference"),
+    ("expand", "cpu", (0, 0), 64, {"n": 96}, None, "reference"),
 ]
 
 
