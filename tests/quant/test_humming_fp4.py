@@ -110,7 +110,7 @@ def test_auto_uses_only_prebuilt_copies_and_the_engine_builds_them(monkeypatch):
     layer = FP4Linear.from_linear(torch.nn.Linear(1024, 768, bias=False).cuda())
     x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
     calls = []
-    monkeypatch.setattr(dispatch, "_humming_forward", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(hf, "fp4_matmul_humming", lambda *a, **k: calls.append(1))
     dispatch.run_fp4_matmul(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
     assert not calls and not hf.has_copy(layer.weight_packed) and hf.copies_nbytes() == 0
     model = torch.nn.Sequential(layer)
