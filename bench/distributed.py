@@ -1,13 +1,16 @@
-"""One GRPO step (rollout + update) of a random 7B model on 1 and 2 GPUs: data-parallel speed-up and memory per GPU.
+"""One GRPO step (rollout + update) of a random 7B model on 1 to N GPUs: data-parallel speed-up, what bounds the
+rollout's scaling (its tail on each rank), and memory per GPU beside qerl/memory.py's estimate.
 
     python -m bench.distributed --out results/bench/distributed.json      # from the repository root, 2 GPUs
+    python -m bench.distributed --cases fp4-lora-x1,fp4-lora-x2,fp4-lora-x4,full-x2,full-x4     # 4 GPUs
 
-Three cases, each its own process group (torchrun for 2 ranks), one after the other:
-  fp4-lora x1   random Qwen2.5-7B, NVFP4 base + LoRA r 32 (bench.random_models), the global batch on 1 GPU
-  fp4-lora x2   the same model and global batch over 2 ranks (qerl.distributed: each rank rolls out half the
-                prompt groups, LoRA gradients all-reduced)
-  full x2       random bf16 Qwen2.5-7B, every weight trained, sharded by FSDP2 over 2 ranks (qerl.fsdp: rollouts on
-                the whole model gathered per step, parameters / gradients / AdamW states 1/2 per rank)
+Cases (--cases, a comma list; default fp4-lora-x1,fp4-lora-x2,full-x2), each its own process group (torchrun
+--nproc-per-node N for N > 1 ranks), one after the other:
+  fp4-lora-xN   random Qwen2.5-7B, NVFP4 base + LoRA r 32 (bench.random_models), the global batch over N >= 1 ranks
+                (qerl.distributed: each rank rolls out 1/N of the prompt groups, LoRA gradients all-reduced)
+  full-xN       random bf16 Qwen2.5-7B, every weight trained, sharded by FSDP2 over N >= 2 ranks (qerl.fsdp: rollouts
+                on the whole model gathered per step, parameters / gradients / AdamW states 1/N per rank)
+N may not exceed the visible GPUs (on a machine without any, ranks are gloo processes); --prompts must split evenly.
 Each case runs qerl.trainer.GRPOTrainer (paged rollout engine, gradient checkpointing, the recipe's loss) on
 --prompts x --group rows of --prompt-len random prompt tokens. Random weights never emit EOS, so row r ends at a
 completion length drawn once from a log-normal (median --median, sigma --sigma, capped at --max-tokens; the
@@ -15,9 +18,20 @@ rollout benchmarks' distribution, bench.paged): the same lengths in every case, 
 One untimed step (rows cut to --warmup-tokens, staggered per rank as bench.paged.warmup_lengths: compiles,
 captures decode graphs, creates AdamW's states), then one timed step: step seconds (the slowest rank), tokens/s
 (generated tokens / step seconds), rollout and update seconds, peak allocated GPU memory of every rank during the
-timed step; speed-up = fp4-lora x1 / fp4-lora x2 step seconds. Prints a table and writes JSON atomically after
-each case (a case cut short keeps the others); each case's output goes to <out stem>-<case>.log beside the JSON,
-with rank 0's progress lines (a timeout names the phase it cut).
+timed step. Speed-ups (same global batch): every fp4-lora-xN against fp4-lora-x1, every full-xN against the
+fewest-rank full case that ran.
+The rollout's tail, per rank (the engine's stats of its one generate call): rollout seconds, decode steps, seconds in
+decode steps of <= 32 live rows, the longest row; per case the slowest and fastest rank's rollout seconds and tail_s,
+the slowest rank's seconds in those few-row steps: each rank decodes until its own longest row ends, so the tail
+does not shrink with N and bounds the rollout's speed-up.
+Memory: qerl.memory.rank_memory_gib for the case's TrainConfig (the bench's workload) and the size's Shape, split in
+its update (every term but gathered: weights, adapter, activations, overhead) and rollout (every term but
+activations: weights, adapter, gathered, overhead) phases, beside the fullest rank's measured update peak and
+rollout peak less its KV pool (the estimate has no pool term: the paged pool takes --gpu-memory-utilization of
+what is free), with measured / estimated. A failed case keeps its estimate.
+Prints a table (a row per case, then its per-rank and memory lines) and writes JSON atomically after each case (a
+case cut short keeps the others; bench.distributed_report); each case's output goes to <out stem>-<case>.log beside
+the JSON, with rank 0's progress lines (a timeout names the phase it cut).
 A 7B FP4 case compiles its Triton kernels in the warm-up (about a minute on a fresh machine; --compile auto adds
 torch.compile of the decode step, minutes more at 7B): on a 10-minute device call run one or two cases per call
 (--cases), the Triton cache carrying over between cases of one machine.
@@ -30,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,13 +53,34 @@ from pathlib import Path
 
 import torch
 from bench.common import add_workload_args, sync
+from bench.distributed_report import memory_estimate, memory_fields, table, tail_fields, write
 
-CASES = {"fp4-lora-x1": ("fp4", 1), "fp4-lora-x2": ("fp4", 2), "full-x2": ("full", 2)}
+DEFAULT_CASES = "fp4-lora-x1,fp4-lora-x2,full-x2"
+_CASE = re.compile(r"(fp4-lora|full)-x([0-9]+)")
+
+
+def parse_cases(text: str, gpus: int | None = None, prompts: int | None = None) -> list[tuple[str, str, int]]:
+    """(name, mode, ranks) of each case of a --cases list: fp4-lora-xN (N >= 1) or full-xN (N >= 2), N at most the
+    `gpus` visible (None: no limit, gloo on the CPU) and splitting `prompts` evenly; else SystemExit, one line."""
+    cases = []
+    for name in (c.strip() for c in text.split(",") if c.strip()):
+        m = _CASE.fullmatch(name)
+        n = int(m.group(2)) if m else 0
+        if m is None or n < (2 if m.group(1) == "full" else 1):
+            raise SystemExit(f"--cases: {name!r} is not a case; expected fp4-lora-xN (N >= 1) or full-xN (N >= 2)")
+        if gpus is not None and n > gpus:
+            raise SystemExit(f"--cases: {name} needs {n} GPUs, {gpus} visible")
+        if prompts is not None and prompts % n:
+            raise SystemExit(f"--cases: {name} cannot split --prompts {prompts} evenly over {n} ranks")
+        cases.append((name, "fp4" if m.group(1) == "fp4-lora" else "full", n))
+    if not cases:
+        raise SystemExit("--cases: no case named")
+    return cases
 
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    p.add_argument("--cases", default=DEFAULT_CASES, help="comma list of fp4-lora-xN (N >= 1), full-xN (N >= 2)")
     p.add_argument("--size", default="7B", help="7B | 14B | 32B | tiny (CPU smoke runs)")
     p.add_argument("--prompts", type=int, default=32, help="prompts per step (the global batch)")
     add_workload_args(p, prompt_len=128, micro_batch=16)
@@ -57,7 +93,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default="../shared/tokenizers/qwen2.5", help="the real Qwen2.5 tokenizer dir")
     p.add_argument("--out", default="results/bench/distributed.json")
-    p.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -75,24 +111,31 @@ def _model(args, mode: str, device: str, dtype: torch.dtype):
     return model
 
 
+def train_config(args, mode: str, world: int):
+    """The TrainConfig of a case (the orchestrator's memory estimate reads the same one)."""
+    from qerl.config import TrainConfig
+
+    on_cuda = torch.cuda.is_available()
+    return TrainConfig(mode="qlora_fp4" if mode == "fp4" else "full", data={"source": "bench"},
+                       rewards=["bench.e2e_workers:_random_reward"], num_generations=args.group,
+                       batch_size=args.prompts, micro_batch_size=args.micro_batch, max_steps=4,
+                       max_prompt_length=args.prompt_len, max_completion_length=args.max_tokens,
+                       gradient_checkpointing=True, aqn=None,
+                       lora={"lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r},
+                       rollout={"engine": "paged", "temperature": 1.0,
+                                "compile": "auto" if args.compile == "auto" else False,
+                                "gpu_memory_utilization": args.gpu_memory_utilization},
+                       dtype="bfloat16" if on_cuda else "float32", num_gpus=world, seed=args.seed)
+
+
 def _trainer(args, mode: str, ranks, tokenizer, prompts):
     from bench.e2e_workers import _random_reward
     from bench.paged import ForcedLengthEngine
-    from qerl.config import TrainConfig
     from qerl.trainer import GRPOTrainer, engine_options
 
     on_cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if on_cuda else torch.float32
-    cfg = TrainConfig(mode="qlora_fp4" if mode == "fp4" else "full", data={"source": "bench"},
-                      rewards=["bench.e2e_workers:_random_reward"], num_generations=args.group,
-                      batch_size=args.prompts, micro_batch_size=args.micro_batch, max_steps=4,
-                      max_prompt_length=args.prompt_len, max_completion_length=args.max_tokens,
-                      gradient_checkpointing=True, aqn=None,
-                      lora={"lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r},
-                      rollout={"engine": "paged", "temperature": 1.0,
-                               "compile": "auto" if args.compile == "auto" else False,
-                               "gpu_memory_utilization": args.gpu_memory_utilization},
-                      dtype="bfloat16" if on_cuda else "float32", num_gpus=ranks.world_size, seed=args.seed)
+    cfg = train_config(args, mode, ranks.world_size)
     device = f"cuda:{torch.cuda.current_device()}" if on_cuda else "cpu"
     model = _model(args, mode, device, dtype)
     trainer = GRPOTrainer(cfg, model, tokenizer, prompts, ["0"] * len(prompts),
@@ -102,6 +145,16 @@ def _trainer(args, mode: str, ranks, tokenizer, prompts):
     trainer.engine.close()  # its projection groups go back: the forced-length engine groups them again
     trainer.engine = ForcedLengthEngine(trainer.parallel.rollout_model, tokenizer, eos_token_ids=(),
                                         **engine_options(cfg))
+    generate = trainer._generate
+
+    def timed(*a, **kw):  # this rank's own rollout seconds and longest row (timing/rollout is the ranks' maximum)
+        start = time.perf_counter()
+        out, noise = generate(*a, **kw)
+        sync()
+        trainer.rank_rollout = (time.perf_counter() - start, max((len(c) for c in out.completion_ids), default=0))
+        return out, noise
+
+    trainer._generate = timed
     return trainer
 
 
@@ -128,17 +181,23 @@ def _step(trainer, step: int, lengths: list[int]) -> dict:
     trainer.engine.sleep()
     sync()
     rollout_peak = _peak_gib()
+    stats = trainer.engine.stats  # this rank's one generate call: its steps by live rows (qerl.rollout.paged_engine)
+    decode_steps = sum(v for k, v in stats.items() if k.startswith("steps_decode_"))
+    rollout_s, longest = trainer.rank_rollout
     metrics = trainer.update(batch, step)
     sync()
     seconds = time.perf_counter() - start
-    mine = torch.tensor([[seconds, rollout_peak, pool, _peak_gib(reset=False)]], dtype=torch.float64)
+    mine = torch.tensor([[seconds, rollout_peak, pool, _peak_gib(reset=False), rollout_s, decode_steps,
+                          stats.get("step_s_decode_1_32", 0.0), longest]], dtype=torch.float64)
     ranks = trainer.ranks.all_gather(mine)
     per_rank = {key: [round(float(x), 2) for x in ranks[:, i]] for i, key in
-                enumerate(("step_s", "rollout_peak_gib", "kv_pool_gib", "update_peak_gib"))}
+                enumerate(("step_s", "rollout_peak_gib", "kv_pool_gib", "update_peak_gib", "rollout_s",
+                           "decode_steps", "tail_s", "longest_row"))}
+    tail = tail_fields({k: per_rank.pop(k) for k in ("rollout_s", "decode_steps", "tail_s", "longest_row")})
     return {"step_s": max(per_rank.pop("step_s")), "rollout_s": batch.metrics["timing/rollout"],  # slowest rank's
             "update_s": metrics["timing/update"], "generated_tokens": int(batch.metrics["rollout_tokens"]),
             "peak_gib_per_rank": [max(a, b) for a, b in zip(per_rank["rollout_peak_gib"], per_rank["update_peak_gib"])],
-            **per_rank, "grad_norm": metrics["grad_norm"], "loss": metrics["loss"]}
+            **per_rank, **tail, "grad_norm": metrics["grad_norm"], "loss": metrics["loss"]}
 
 
 def run_case(args) -> None:
@@ -148,7 +207,7 @@ def run_case(args) -> None:
     from bench.paged import draw_lengths, random_prompts, warmup_lengths
     from qerl.distributed import close, init_ranks
 
-    mode, world = CASES[args.worker]
+    _, mode, world = parse_cases(args.worker)[0]
     ranks = init_ranks(world)
     begin = time.perf_counter()
 
@@ -185,9 +244,8 @@ def run_case(args) -> None:
 
 
 # ------------------------------------------------------------------ the orchestrator
-def _launch(argv: list[str], case: str, out: Path) -> list[str]:
+def _launch(argv: list[str], case: str, world: int, out: Path) -> list[str]:
     """The command of one case: this command's options, as a worker (under torchrun for several ranks)."""
-    _, world = CASES[case]
     worker = ["-m", "bench.distributed", *argv, "--worker", case, "--worker-out", str(out)]
     if world == 1:
         return [sys.executable, *worker]
@@ -199,33 +257,9 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
 
 
-def _table(results: list[dict], speedup: float | None) -> str:
-    head = f"{'case':12s} {'GPUs':>4s} {'step s':>8s} {'rollout s':>9s} {'update s':>8s} {'tokens/s':>9s} " \
-           f"{'peak GiB per GPU: rollout (KV pool) / update':>46s}"
-    lines = [head, "-" * len(head)]
-    for r in results:
-        if "error" in r:
-            lines.append(f"{r['case']:12s} failed: {r['error'][:100]}")
-            continue
-        peaks = ", ".join(f"{a:.1f} ({k:.1f}) / {b:.1f}" for a, k, b in
-                          zip(r["rollout_peak_gib"], r["kv_pool_gib"], r["update_peak_gib"]))
-        lines.append(f"{r['case']:12s} {r['gpus']:4d} {r['step_s']:8.1f} {r['rollout_s']:9.1f} {r['update_s']:8.1f} "
-                     f"{r['tokens_per_s']:9,.0f} {peaks:>46s}")
-    if speedup is not None:
-        lines.append(f"speed-up fp4-lora 2 GPUs vs 1: x{speedup:.2f} (same global batch)")
-    return "\n".join(lines)
-
-
-def _write(args, results: list[dict], speedup: float | None) -> None:
-    named = sorted({r["device"] for r in results if "device" in r})
-    options = {k: v for k, v in vars(args).items() if not k.startswith("worker")}
-    payload = {"device": ", ".join(named) or "unknown", "torch": torch.__version__, "args": options,
-               "speedup_fp4_lora_2_vs_1": speedup, "results": results}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, out)
+def _visible_gpus() -> int | None:
+    """GPUs the cases may use (None on a machine without any: gloo ranks). Counts without creating a context."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
 def _descendants(pid: int) -> list[int]:
@@ -288,33 +322,31 @@ def main(argv=None) -> int:
     if args.worker:
         run_case(args)
         return 0
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        raise SystemExit(f"--cases: unknown {unknown}; expected some of {list(CASES)}")
+    cases = parse_cases(args.cases, _visible_gpus(), args.prompts)
     print(f"random Qwen2.5-{args.size}, {args.prompts} prompts x {args.group}, completions log-normal "
           f"(median {args.median:.0f}, cap {args.max_tokens}), micro-batch {args.micro_batch}", flush=True)
-    results, speedup = [], None
+    results = []
     with tempfile.TemporaryDirectory(prefix="qerl-bench-dist-") as tmp:
-        for case in cases:
+        for case, mode, world in cases:
             part = Path(tmp) / f"{case}.json"
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             start = time.perf_counter()
             log = Path(args.out).with_name(f"{Path(args.out).stem}-{case}.log")
             log.parent.mkdir(parents=True, exist_ok=True)
-            failed = _run_case_process(_launch(argv, case, part), env, args.timeout_s, part, log)
+            failed = _run_case_process(_launch(argv, case, world, part), env, args.timeout_s, part, log)
             wall = round(time.perf_counter() - start, 1)
-            results.append({"case": case, "error": failed, "wall_s": wall} if failed else
-                           {**json.loads(part.read_text()), "wall_s": wall})
-            done = {r["case"]: r for r in results if "error" not in r}
-            if "fp4-lora-x1" in done and "fp4-lora-x2" in done:
-                speedup = done["fp4-lora-x1"]["step_s"] / done["fp4-lora-x2"]["step_s"]
-            r = results[-1]
+            estimate = memory_estimate(args.size, mode, train_config(args, mode, world), world)
+            if failed:  # the estimate still shows what the case would have needed
+                r = {"case": case, "error": failed, "wall_s": wall, "memory": {"estimate": estimate}}
+            else:
+                r = json.loads(part.read_text())
+                r.update(wall_s=wall, memory=memory_fields(estimate, r))
+            results.append(r)
             print(f"{case}: " + (f"failed ({r['error']})" if "error" in r else f"step {r['step_s']:.1f} s") +
                   f", {wall:.0f} s with start-up", flush=True)
-            _write(args, results, speedup)
+            write(args, results)
     print(f"devices: {', '.join(sorted({r['device'] for r in results if 'device' in r}))}")
-    print(_table(results, speedup))
+    print(table(results))
     print(f"-> {args.out}")
     return 0 if all("error" not in r for r in results) else 1
 
