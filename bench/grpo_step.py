@@ -62,6 +62,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-update", action="store_true",
                    help="then the same update again, timed and under torch.profiler, and the profiled update of "
                    "a fresh-length rollout: GPU kernels per micro-batch, host ops")
+    p.add_argument("--profile-rollout", action="store_true",
+                   help="then step 2's rollout again under torch.profiler: kernels by kind, the GPU's idle gaps")
     p.add_argument("--rollout-only", action="store_true",
                    help="time the rollout alone (no update): a recipe's full rollout whose step outlasts one call")
     p.add_argument("--progress-s", type=float, default=60.0,
@@ -224,6 +226,12 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   else 0.0)
     result["later_steps"] = [_later_step(args, trainer, engine, len(lengths), cfg.max_completion_length, i)
                              for i in range(1, args.steps if not args.rollout_only else 1)]
+    if args.profile_rollout:
+        from bench.rollout_profile import profile_rollout
+
+        engine.lengths = draw_lengths(len(lengths), args.median, args.sigma, cfg.max_completion_length, args.seed + 1)
+        result["rollout_profile"] = profile_rollout(lambda: trainer.rollout(2))  # step 2's draw and prompts
+        engine.sleep()
     if args.profile_update and not args.rollout_only:
         result["update_repeat_s"] = _timed_update(trainer, batch, args.device)  # steady state: no first-call costs
         result["update_profile"] = _profile_update(trainer, batch, cfg.micro_batch_size, args.device)
@@ -301,6 +309,11 @@ def _profile_update(trainer, batch, micro_batch_size: int, device: str) -> dict:
 
 
 def _print_profile(row: dict) -> None:
+    if "rollout_profile" in row:
+        from bench.rollout_profile import format_profile
+
+        later = row.get("later_steps") or [{}]
+        print(format_profile(row["mode"], row["rollout_profile"], later[0].get("rollout_s")), flush=True)
     if "update_profile" in row:
         _print_one_profile(row, row["update_profile"])
     if "update_profile_fresh" in row:
