@@ -19,6 +19,8 @@ rolls out and scores its share of the step's prompt groups, the loss is normalis
                the workable choices: gathering in place (FSDP's unshard) holds the same whole model during the
                rollout, a copy kept through the update adds a whole model to the update's peak, and decoding
                through FSDP's per-layer gathers would all-gather the whole model once per generated token.
+               train.rollout.weights nvfp4: qerl.fp4_rollout.FP4RolloutCopy instead, the decoder layers' Linears
+               quantized to NVFP4 from the shards a layer's group at a time, in place, kept through the update.
   loading      rank 0 alone reads the checkpoint (qerl.train); the other ranks build the model on the meta device.
                After sharding, set_model_state_dict (full state dict, broadcast from rank 0) sends rank 0's
                tensors one at a time and each rank keeps its shards, then rank 0's buffers (rotary frequencies:
@@ -54,12 +56,13 @@ def sharded(cfg, ranks: Ranks) -> bool:
 def data_parallel(model: nn.Module, cfg, ranks: Ranks):
     """How the ranks share this model's training (cfg: the train section): FSDP2 for mode full on several ranks,
     else replicas."""
+    weights = cfg.rollout.weights  # "nvfp4": the config allows it only where the model is sharded
     if not sharded(cfg, ranks):
         return Replicated(model, ranks)
     if getattr(cfg, "optim", "adamw_torch") != "adamw_torch":
         raise QerlError(f"train.optim {cfg.optim} with mode full on {ranks.world_size} GPUs: its states do not "
                         "shard under FSDP2; use optim adamw_torch (or num_gpus 1)")
-    return FullySharded(model, ranks)
+    return FullySharded(model, ranks, rollout_weights=weights)
 
 
 def fuse_as_rank0(model: nn.Module, cfg, ranks: Ranks) -> int:
@@ -141,14 +144,18 @@ class FullySharded:
 
     sharded = True
 
-    def __init__(self, model: nn.Module, ranks: Ranks):
+    def __init__(self, model: nn.Module, ranks: Ranks, rollout_weights: str = "policy"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
         self.ranks = ranks
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
-        self.copy = GatheredPolicy(model, device)  # from the plain class, before fully_shard swaps the model's
+        if rollout_weights == "nvfp4":
+            from qerl.fp4_rollout import FP4RolloutCopy as copy_class
+        else:
+            copy_class = GatheredPolicy
+        self.copy = copy_class(model, device)  # from the plain class, before fully_shard swaps the model's
         # rank 0's whole tensors, kept past the sharding below (references, no copy); the model is rank 0's
         full = model.state_dict() if ranks.is_main else {}
         mesh = init_device_mesh(device.type, (ranks.world_size,))

@@ -15,13 +15,17 @@ max_completion_length, the longest row; D = bytes of train.dtype (4 for float32,
                whole row: S x 2 x layers x kv_heads x head_dim x D, checked apart)
   gathered     mode full on N > 1 ranks: the whole model gathered for the rollout engine, every parameter x D; it
                is freed before the update, so it counts against activations + the update's gathered FSDP units
-               (embeddings and lm_head, two decoder layers, each with its unsharded gradient: x 2 D), not beside
+               (embeddings and lm_head, two decoder layers, each with its unsharded gradient: x 2 D), not beside.
+               With rollout.weights nvfp4 one tensor or fused group is gathered at a time to be quantized or
+               copied: the larger of the embedding matrix and one decoder layer's Linears, x D
+  fp4_copy     rollout.weights nvfp4 (qerl.fp4_rollout): the rollout copy, linear layers x 4.5 bits + embeddings
+               and lm_head x D, kept through the update (its addresses stay for the engines' graphs): beside
   activations  micro_batch_size x S tokens x [gradient checkpointing: layers x hidden x D (each layer's saved
                input; none with offload_activations) + one layer's saved tensors (6 hidden + 4 intermediate /
                mlp_chunks) x D; without: layers x those tensors] + the lm_head chunk (logprob_chunk_size x vocab
                x 12 bytes: fp32 log-softmax, its gradient and the entropy buffer)
   overhead     3 GiB (CUDA context, allocator slack, NCCL buffers)
-total = weights + adapter + rollout + max(gathered, activations) + overhead.
+total = weights + adapter + rollout + fp4_copy + max(gathered, activations) + overhead.
 A card is taken as 80 GiB, a node as 8 of them. The estimate is rough (within tens of percent); it exists to refuse
 what cannot fit, and to name how many GPUs (and nodes) an experiment needs.
 
@@ -90,7 +94,10 @@ def rank_memory_gib(shape: Shape, scheme: str, train, ranks: int) -> dict[str, f
     tokens = train.max_prompt_length + train.max_completion_length
     params = shape.linear_params + shape.embedding_params
     sharded = train.mode == "full" and ranks > 1
-    gathered = params * d if sharded else 0.0
+    fp4 = sharded and train.rollout.weights == "nvfp4"
+    gathered = (max(shape.vocab * shape.hidden, shape.linear_params / shape.layers) if fp4 else params) * d \
+        if sharded else 0.0
+    fp4_copy = shape.linear_params * _BITS["nvfp4"] / 8 + shape.embedding_params * d if fp4 else 0.0
     # what FSDP holds unsharded during the update: the root unit (embeddings, lm_head) and a layer plus the
     # prefetched next one, each with its gradient before the reduce-scatter
     units = (shape.embedding_params + 2 * shape.linear_params / shape.layers) * 2 * d if sharded else 0.0
@@ -116,13 +123,13 @@ def rank_memory_gib(shape: Shape, scheme: str, train, ranks: int) -> dict[str, f
     else:
         per_token = shape.layers * layer
     activations = train.micro_batch_size * tokens * per_token + train.logprob_chunk_size * shape.vocab * 12 + units
-    terms = {"weights": weights, "adapter": adapter, "rollout": rollout, "gathered": gathered,
+    terms = {"weights": weights, "adapter": adapter, "rollout": rollout, "fp4_copy": fp4_copy, "gathered": gathered,
              "activations": activations}
     out = {k: v / _GIB for k, v in terms.items()}
     out["overhead"] = OVERHEAD_GIB
-    # the gathered copy lives during rollouts, the activations during the update
-    out["total"] = out["weights"] + out["adapter"] + out["rollout"] + max(out["gathered"], out["activations"]) \
-        + OVERHEAD_GIB
+    # the gathered copy lives during rollouts, the activations during the update; the FP4 copy through both
+    out["total"] = out["weights"] + out["adapter"] + out["rollout"] + out["fp4_copy"] \
+        + max(out["gathered"], out["activations"]) + OVERHEAD_GIB
     return out
 
 
@@ -134,10 +141,15 @@ def valid_gpu_counts(train, limit: int = MAX_GPUS_PER_NODE) -> list[int]:
 
 
 def gpus_needed(shape: Shape, scheme: str, train) -> tuple[int, int] | None:
-    """The fewest ranks that each fit a card, as (nodes, GPUs per node) with at most 8 on a node and the fewest
-    nodes; None when no layout up to MAX_NODES nodes does."""
+    """The fewest ranks that each fit a card (and, paged, whose KV pool holds a whole row), as (nodes, GPUs per node)
+    with at most 8 on a node and the fewest nodes; None when no layout up to MAX_NODES nodes does.
+    rollout.weights nvfp4 needs several ranks (FSDP2)."""
     for n in valid_gpu_counts(train, MAX_GPUS_PER_NODE * MAX_NODES):
-        if rank_memory_gib(shape, scheme, train, n)["total"] <= GPU_GIB:
+        if n == 1 and train.rollout.weights == "nvfp4":
+            continue
+        est = rank_memory_gib(shape, scheme, train, n)
+        pool, row = _pool_and_row(shape, train, est)
+        if est["total"] <= GPU_GIB and (train.rollout.engine != "paged" or pool >= row):
             nodes = -(-n // MAX_GPUS_PER_NODE)
             while n % nodes:
                 nodes += 1
@@ -164,8 +176,8 @@ def check_fits(model_size: str | None, scheme: str, train) -> None:
         if train.rollout.engine == "paged":
             _check_pool_holds_a_row(shape, train, est)
         return
-    parts = ", ".join(f"{k} {est[k]:.0f}" for k in ("weights", "adapter", "rollout", "gathered", "activations")
-                      if k != "gathered" or est[k])
+    parts = ", ".join(f"{k} {est[k]:.0f}" for k in ("weights", "adapter", "rollout", "fp4_copy", "gathered",
+                                                    "activations") if k not in ("gathered", "fp4_copy") or est[k])
     head = (f"needs ~{est['total']:.0f} GiB per GPU with {_layout(train)} ({parts} GiB; "
             f"qerl/memory.py), more than an {GPU_GIB:.0f} GiB card")
     need = gpus_needed(shape, scheme, train)
@@ -178,13 +190,19 @@ def check_fits(model_size: str | None, scheme: str, train) -> None:
                      "offload_activations")
 
 
-def _check_pool_holds_a_row(shape: Shape, train, est: dict[str, float]) -> None:
-    """The paged pool is a fraction of what the weights leave free; the scheduler needs room for one whole row."""
+def _pool_and_row(shape: Shape, train, est: dict[str, float]) -> tuple[float, float]:
+    """GiB of the paged pool (a fraction of what the weights and rollout copy leave free) and of one whole row."""
     d = 4 if train.dtype == "float32" else 2
     row = (train.max_prompt_length + train.max_completion_length) * 2 * shape.layers * shape.kv_heads \
         * shape.head_dim * d / _GIB
     pool = train.rollout.gpu_memory_utilization * (GPU_GIB - est["weights"] - est["adapter"] - est["gathered"]
-                                                   - est["overhead"])
+                                                   - est["fp4_copy"] - est["overhead"])
+    return pool, row
+
+
+def _check_pool_holds_a_row(shape: Shape, train, est: dict[str, float]) -> None:
+    """The scheduler needs room for one whole row in the paged pool."""
+    pool, row = _pool_and_row(shape, train, est)
     if pool < row:
         raise ValueError(f"rollout.gpu_memory_utilization {train.rollout.gpu_memory_utilization}: a ~{pool:.1f} GiB "
                          f"KV pool cannot hold one row of max_prompt_length + max_completion_length tokens "
@@ -227,7 +245,7 @@ def train_job_mem_mb(train, model_size: str | None, rank_mb: int) -> int:
     return math.ceil(rank0 + (train.num_gpus - 1) * PROCESS_MIB)
 
 
-_COLUMNS = ("weights", "adapter", "rollout", "activations")
+_COLUMNS = ("weights", "adapter", "rollout", "gathered", "fp4_copy", "activations")
 
 
 def report_header() -> str:
