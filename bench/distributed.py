@@ -167,9 +167,15 @@ def _peak_gib(reset: bool = True) -> float:
     return peak
 
 
-def _step(trainer, step: int, lengths: list[int]) -> dict:
+def _allocated_gib() -> float:
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def _step(trainer, step: int, lengths: list[int], last: bool = False) -> dict:
     """One GRPO step as GRPOTrainer.train runs it, this rank's rows ending at their drawn lengths; peaks of the
-    rollout (the paged KV pool included: it takes a fraction of the memory free then) and of the update apart."""
+    rollout (the paged KV pool included: it takes a fraction of the memory free then) and of the update apart.
+    last: then release the engine and count what it kept through the update (a resident pool, weight copies,
+    graphs), which the memory estimate leaves to the pool's share of free memory."""
     rows = trainer.ranks.share(len(lengths), "rows")
     trainer.engine.lengths = lengths[rows]
     trainer.ranks.barrier()
@@ -184,15 +190,21 @@ def _step(trainer, step: int, lengths: list[int]) -> dict:
     stats = trainer.engine.stats  # this rank's one generate call: its steps by live rows (qerl.rollout.paged_engine)
     decode_steps = sum(v for k, v in stats.items() if k.startswith("steps_decode_"))
     rollout_s, longest = trainer.rank_rollout
+    copies = (stats.get("dense_copy_bytes", 0) + stats.get("humming_bytes", 0)) / 2**30  # taken where memory allows
     metrics = trainer.update(batch, step)
     sync()
     seconds = time.perf_counter() - start
+    resident = _allocated_gib()
+    if last:
+        trainer.engine.release()
+        sync()
+    resident = resident - _allocated_gib() if last else 0.0
     mine = torch.tensor([[seconds, rollout_peak, pool, _peak_gib(reset=False), rollout_s, decode_steps,
-                          stats.get("step_s_decode_1_32", 0.0), longest]], dtype=torch.float64)
+                          stats.get("step_s_decode_1_32", 0.0), longest, copies, resident]], dtype=torch.float64)
     ranks = trainer.ranks.all_gather(mine)
     per_rank = {key: [round(float(x), 2) for x in ranks[:, i]] for i, key in
                 enumerate(("step_s", "rollout_peak_gib", "kv_pool_gib", "update_peak_gib", "rollout_s",
-                           "decode_steps", "tail_s", "longest_row"))}
+                           "decode_steps", "tail_s", "longest_row", "weight_copies_gib", "engine_resident_gib"))}
     tail = tail_fields({k: per_rank.pop(k) for k in ("rollout_s", "decode_steps", "tail_s", "longest_row")})
     return {"step_s": max(per_rank.pop("step_s")), "rollout_s": batch.metrics["timing/rollout"],  # slowest rank's
             "update_s": metrics["timing/update"], "generated_tokens": int(batch.metrics["rollout_tokens"]),
@@ -229,7 +241,7 @@ def run_case(args) -> None:
         _step(trainer, 0, per_rank * world + per_rank[:len(lengths) - len(per_rank) * world])
         warmup_s = time.perf_counter() - t0
         say(f"warm-up step {warmup_s:.0f} s; timed step")
-        result = _step(trainer, 1, lengths)
+        result = _step(trainer, 1, lengths, last=True)
         say(f"timed step {result['step_s']:.1f} s (rollout {result['rollout_s']:.1f} s, "
             f"update {result['update_s']:.1f} s)")
         result.update(case=args.worker, mode=mode, gpus=world, device=_device_name(), build_s=round(build_s, 1),

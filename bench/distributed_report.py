@@ -78,11 +78,15 @@ def memory_estimate(size: str, mode: str, train, ranks: int) -> dict:
 
 
 def memory_fields(estimate: dict, result: dict) -> dict:
-    """Estimated vs measured GiB per GPU (the fullest rank; the rollout's peak without its KV pool) and their
-    ratios measured / estimated."""
-    measured = {"update": max(result["update_peak_gib"]),
-                "rollout": max(a - k for a, k in zip(result["rollout_peak_gib"], result["kv_pool_gib"])),
-                "rollout_with_pool": max(result["rollout_peak_gib"])}
+    """Estimated vs measured GiB per GPU and their ratios measured / estimated (the fullest rank). The estimate
+    leaves the paged engine the memory that is free: measured are the update's peak without what the engine kept
+    through it (a resident pool, weight copies, graphs) and the rollout's peak without its KV pool and the weight
+    copies it takes where memory allows (qerl.quant.dense_copies, humming_copies)."""
+    resident = result.get("engine_resident_gib") or [0.0] * len(result["update_peak_gib"])
+    copies = result.get("weight_copies_gib") or [0.0] * len(result["rollout_peak_gib"])
+    measured = {"update": max(u - r for u, r in zip(result["update_peak_gib"], resident)),
+                "rollout": max(a - k - c for a, k, c in zip(result["rollout_peak_gib"], result["kv_pool_gib"], copies)),
+                "update_with_engine": max(result["update_peak_gib"]), "rollout_with_pool": max(result["rollout_peak_gib"])}
     ratio = {k: round(measured[k] / estimate[k], 3) if estimate[k] else None for k in ("update", "rollout")}
     return {"estimate": estimate, "measured": {k: round(v, 2) for k, v in measured.items()}, "ratio": ratio}
 
@@ -116,8 +120,10 @@ def table(results: list[dict]) -> str:
         peaks = ", ".join(f"{a:.1f} ({k:.1f}) / {b:.1f}" for a, k, b in
                           zip(r["rollout_peak_gib"], r["kv_pool_gib"], r["update_peak_gib"]))
         ratio = m["ratio"]
-        lines.append(f"  peak GiB per GPU, rollout (KV pool) / update: {peaks}; measured / estimated: update "
-                     f"x{ratio['update'] or 0:.2f}, rollout without its pool x{ratio['rollout'] or 0:.2f}")
+        lines.append(f"  peak GiB per GPU, rollout (KV pool) / update: {peaks}; engine kept through the update "
+                     f"{_ranks(r.get('engine_resident_gib', []), '.1f')}, weight copies "
+                     f"{_ranks(r.get('weight_copies_gib', []), '.1f')}; measured / estimated: update without the "
+                     f"engine x{ratio['update'] or 0:.2f}, rollout without pool and copies x{ratio['rollout'] or 0:.2f}")
     lines += speedup_lines(results)
     return "\n".join(lines)
 

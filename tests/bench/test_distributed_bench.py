@@ -71,7 +71,10 @@ def _check_memory(results: dict) -> None:
         assert est["update"] == pytest.approx(both + terms["activations"], abs=0.02), case
         assert est["rollout"] == pytest.approx(both + terms["gathered"], abs=0.02), case
         assert est["total"] == pytest.approx(max(est["update"], est["rollout"]), abs=0.02), case
-        assert got["update"] == max(r["update_peak_gib"]) and got["rollout_with_pool"] == max(r["rollout_peak_gib"])
+        assert len(r["engine_resident_gib"]) == len(r["weight_copies_gib"]) == r["gpus"], case
+        assert got["update"] == max(u - e for u, e in zip(r["update_peak_gib"], r["engine_resident_gib"]))
+        assert got["update_with_engine"] == max(r["update_peak_gib"])
+        assert got["rollout_with_pool"] == max(r["rollout_peak_gib"])
         assert set(ratio) == {"update", "rollout"}
     fp4, fp4_2, full = (results[c]["memory"]["estimate"]["terms"] for c in ("fp4-lora-x1", "fp4-lora-x2", "full-x2"))
     assert fp4["adapter"] > 0 == fp4["gathered"] and full["gathered"] > 0 == full["adapter"]
@@ -135,3 +138,15 @@ def test_a_timed_out_case_is_killed_with_its_workers_and_names_its_last_phase(tm
     stat = Path(f"/proc/{grandchild}/stat")
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", "the grandchild survived"
     assert "building" in log.read_text()
+
+
+def test_measured_memory_leaves_out_what_the_engine_keeps():
+    """The estimate leaves the paged engine what is free: the update is compared without the engine's resident
+    bytes, the rollout without its KV pool and its opportunistic weight copies (hand-built figures)."""
+    from bench.distributed_report import memory_fields
+
+    result = {"update_peak_gib": [62.7, 60.0], "engine_resident_gib": [47.0, 40.0], "rollout_peak_gib": [55.8, 50.0],
+              "kv_pool_gib": [31.5, 30.0], "weight_copies_gib": [16.0, 16.0]}
+    got = memory_fields({"update": 16.0, "rollout": 10.0}, result)
+    assert got["measured"]["update"] == pytest.approx(20.0) and got["measured"]["update_with_engine"] == 62.7
+    assert got["measured"]["rollout"] == pytest.approx(8.3) and got["ratio"]["update"] == pytest.approx(1.25)
