@@ -89,6 +89,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", default="off", choices=("off", "auto"),
                    help="torch.compile the decode step (off: eager steps in CUDA graphs, as bench.grpo_step)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="paged KV pool: fraction of free memory")
+    p.add_argument("--rollout-weights", default="policy", choices=("policy", "nvfp4"),
+                   help="full cases: roll out on the gathered bf16 weights or an NVFP4 copy (rollout.weights; with "
+                   "rollout_correction tis)")
     p.add_argument("--timeout-s", type=float, default=280, help="per case, build and warm-up included")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default="../shared/tokenizers/qwen2.5", help="the real Qwen2.5 tokenizer dir")
@@ -124,7 +127,9 @@ def train_config(args, mode: str, world: int):
                        lora={"lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r},
                        rollout={"engine": "paged", "temperature": 1.0,
                                 "compile": "auto" if args.compile == "auto" else False,
-                                "gpu_memory_utilization": args.gpu_memory_utilization},
+                                "gpu_memory_utilization": args.gpu_memory_utilization,
+                                "weights": args.rollout_weights if mode == "full" else "policy"},
+                       rollout_correction="tis" if mode == "full" and args.rollout_weights == "nvfp4" else "none",
                        dtype="bfloat16" if on_cuda else "float32", num_gpus=world, seed=args.seed)
 
 
