@@ -165,6 +165,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     prompts = random_prompts(tok, cfg.batch_size, args.prompt_len, args.seed)
     trainer = GRPOTrainer(cfg, model, tok, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
                           checkpoint_dir=tempfile.mkdtemp(prefix="qerl-bench-"))
+    trainer.engine.close()  # its projection groups go back: the recording engine groups them again
     engine = _Recording(model, tok, eos_token_ids=(), **engine_options(cfg))
     trainer.engine = engine
     engine.lengths = warmup_lengths(len(lengths), args.warmup_tokens)  # meets every decode bucket
@@ -211,6 +212,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   humming_gib=stats.get("humming_bytes", 0) / 2**30,
                   humming_build_s=stats.get("humming_check_build_s", 0.0),
                   num_blocks=stats.get("num_blocks"), graph_captures_timed=stats.get("graph_captures"),
+                  projection_groups=stats.get("projection_groups"),
                   graph_build_s=stats.get("graph_build_s"),
                   floor_bytes=floor, bytes_floor_s=floor / bandwidth, floor_s=floor_s,
                   floor_pct=100 * floor_s / rollout_s,
@@ -345,7 +347,8 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['mode']:10s} warm-up {r['warmup_s']:.1f} s: torch.compile {r['warmup_torch_compile_s']:.1f} s, "
                      f"humming {r['warmup_humming_kernels']} kernels {r['warmup_humming_s']:.1f} s; graph builds "
-                     f"in the timed rollout {r.get('graph_build_s') or 0:.2f} s")
+                     f"in the timed rollout {r.get('graph_build_s') or 0:.2f} s; projection groups "
+                     f"{r.get('projection_groups')}")
     for r in rows:
         bins = [(k[len("steps_"):], r[k]) for k in r if k.startswith("steps_decode_") and r[k]]
         parts = [f"{b.replace('decode_', '').replace('_', '-')} rows {n} steps {1e3 * r[f'step_s_{b}'] / n:.2f} ms "

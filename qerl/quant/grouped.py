@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -203,13 +204,19 @@ def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense")) -
     (all FP4LoraLinear: kind "fp4", or all peft LoRA Linear over nn.Linear: kind "dense") of one of `kinds`;
     other models get none. Memory: the weights move, nothing is held twice (the members' weights become views of
     the stacked tensors)."""
-    found = []
+    found, taken = [], 0
     for module in model.modules():
         for names in groups:
             members = [getattr(module, n, None) for n in names]
-            if all(m is not None for m in members) and _kind(members[0]) in kinds \
-                    and not any("_qerl_group" in m.__dict__ for m in members) and ProjectionGroup.compatible(members):
+            if not (all(m is not None for m in members) and _kind(members[0]) in kinds):
+                continue
+            if any("_qerl_group" in m.__dict__ for m in members):
+                taken += 1
+            elif ProjectionGroup.compatible(members):
                 found.append(ProjectionGroup(members))
+    if taken:  # grouped by another engine on this model: they run only while that engine's groups are active
+        warnings.warn(f"{taken} projection groups of this model belong to another engine (close it first): they run "
+                      f"ungrouped here", stacklevel=2)
     return found
 
 

@@ -224,3 +224,22 @@ def test_bf16_lora_graph_engine_groups_dense_projections(tmp_path, tokenizer_dir
     assert outs[1].stats["graph_captures"] == 1 and outs[1].stats["graph_replays"] > 0
     assert outs[0].completion_ids == outs[1].completion_ids == ref.completion_ids
     engine.close()
+
+
+def test_a_second_engine_on_a_grouped_model_warns_and_groups_once_the_first_is_closed(tokenizer_dir):
+    """Projection groups belong to one engine at a time: a second engine on the same model gets none (its forwards
+    would run every projection apart) and says so; once the first is closed, the second groups them."""
+    from bench.paged import build_lora_model
+    from transformers import AutoTokenizer
+
+    from qerl.rollout.paged_engine import PagedEngine
+
+    model = build_lora_model("tiny", "bf16", 4, 0, "cpu").float()
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    first = PagedEngine(model, tok, fuse_projections=True, eos_token_ids=())
+    assert len(first._groups) == 2 * 2  # q/k/v and gate/up of 2 layers
+    with pytest.warns(UserWarning, match="4 projection groups .* belong to another engine"):
+        second = PagedEngine(model, tok, fuse_projections=True, eos_token_ids=())
+    assert second._groups == []
+    first.close()
+    assert second.fuse_projections() == 4
