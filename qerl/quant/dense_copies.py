@@ -49,13 +49,39 @@ def attach_dense_copies(model: nn.Module, groups, dtype: torch.dtype) -> int:
             start = 0
             for m, size in zip(group.members, group.sizes):
                 m.base_layer.__dict__[_ATTR] = group.dense[start:start + size]
+                m.base_layer.__dict__["_dense_copy_key"] = _weight_key(m.base_layer)
                 start += size
             total += group.dense.numel() * group.dense.element_size()
         for module in model.modules():
             if isinstance(module, FP4Linear) and module.fmt == "nvfp4" and _ATTR not in module.__dict__:
                 module.__dict__[_ATTR] = module.dequantize_weight(dtype)
+                module.__dict__["_dense_copy_key"] = _weight_key(module)
                 total += module.__dict__[_ATTR].numel() * module.__dict__[_ATTR].element_size()
     return total
+
+
+def _weight_key(module: FP4Linear) -> tuple:
+    """Identity and in-place version of a layer's packed tensors: changes whenever they are rewritten."""
+    return tuple((t.data_ptr(), t._version) for t in (module.weight_packed, module.weight_scale,
+                                                        module.weight_global_scale) if t is not None)
+
+
+def refresh_stale_copies(model: nn.Module) -> int:
+    """Before a rollout: re-dequantize, in place (captured graphs keep the address), every dense copy whose packed
+    weight was rewritten since (a full-parameter run's NVFP4 rollout copy, qerl.fp4_rollout, changes every step;
+    a LoRA run's frozen base never does), and humming's repacked copies likewise; returns the dense copies redone."""
+    from qerl.quant.kernels import humming_fp4
+
+    humming_fp4.refresh_stale()
+    redone = 0
+    with torch.no_grad():
+        for module in model.modules():
+            copy = module.__dict__.get(_ATTR) if isinstance(module, FP4Linear) else None
+            if copy is not None and module.__dict__.get("_dense_copy_key") != _weight_key(module):
+                copy.copy_(module.dequantize_weight(copy.dtype))
+                module.__dict__["_dense_copy_key"] = _weight_key(module)
+                redone += 1
+    return redone
 
 
 def detach_dense_copies(model: nn.Module, groups=()) -> None:
@@ -64,6 +90,7 @@ def detach_dense_copies(model: nn.Module, groups=()) -> None:
         group.dense = None
     for module in model.modules():
         module.__dict__.pop(_ATTR, None)
+        module.__dict__.pop("_dense_copy_key", None)
 
 
 _HOST_FRACTION = 0.25  # of the available host memory a CPU rollout's dense copies may take

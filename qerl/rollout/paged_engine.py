@@ -23,7 +23,7 @@ import torch
 from qerl import compile_cache
 from qerl.compile_cache import CompileClock
 from qerl.errors import QerlError
-from qerl.quant.dense_copies import attach_dense_copies, dense_copy_bytes, detach_dense_copies, host_room
+from qerl.quant import dense_copies as dc
 from qerl.quant.dispatch import HUMMING_MIN_ROWS, fp4_humming_mode
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
 from qerl.quant.humming_copies import attach_humming_copies, detach_humming_copies, humming_copy_bytes
@@ -154,7 +154,7 @@ class PagedEngine(RolloutEngine):
         with inference_mode(self.model), lora_in_dtype(self.model, self.lora_dtype, self._shadows), \
                 projections_fused(self._groups, compute_dtype(self.model)), \
                 attention_implementation(self.model, NAME), sdpa_without_cudnn():  # prefills bring new lengths
-            humming_fp4.refresh_stale()  # captured graphs read humming's repacked copies, not the packed weights
+            dc.refresh_stale_copies(self.model)  # captured graphs read the weight copies, not the packed weights
             graphs = self._graphs_for(prompts, sampling, pool)
             before = dict(graphs.stats) if graphs is not None else {}
             seconds = dict.fromkeys(_STEP_BINS, 0.0)  # wall time of the steps by rows run (each step syncs)
@@ -199,7 +199,7 @@ class PagedEngine(RolloutEngine):
         """Give the KV pool's and the dense copies' memory back (the next call allocates new ones)."""
         self._release_pool()
         if self.dense_bytes:
-            detach_dense_copies(self.model, self._groups)
+            dc.detach_dense_copies(self.model, self._groups)
             self.dense_bytes = 0
         if self.humming_bytes:
             detach_humming_copies(self.model, self._groups)
@@ -231,15 +231,15 @@ class PagedEngine(RolloutEngine):
     def _keep_dense_copies(self, rows: int) -> None:
         if self.dense_weights is False or self.dense_bytes:
             return
-        need = dense_copy_bytes(self.model, compute_dtype(self.model))
+        need = dc.dense_copy_bytes(self.model, compute_dtype(self.model))
         if not need:
             return
         if self.dense_weights == "auto":
             if self.device.type == "cpu":  # no FP4 kernel: each call would dequantize its whole weight
-                free, kept = host_room(need)
+                free, kept = dc.host_room(need)
                 self.dense_check = dict(need=need, free=free, kept=kept)
                 if self.dense_check["kept"]:
-                    self.dense_bytes = attach_dense_copies(self.model, self._groups, compute_dtype(self.model))
+                    self.dense_bytes = dc.attach_dense_copies(self.model, self._groups, compute_dtype(self.model))
                 return
             if self.device.type != "cuda" or rows < DENSE_COPY_MIN_ROWS:
                 self.dense_check = dict(need=need, free=0, kept=False)  # too few rows, or not CUDA
@@ -250,7 +250,7 @@ class PagedEngine(RolloutEngine):
                                     reserved=torch.cuda.memory_reserved(self.device))
             if not self.dense_check["kept"]:
                 return
-        self.dense_bytes = attach_dense_copies(self.model, self._groups, compute_dtype(self.model))
+        self.dense_bytes = dc.attach_dense_copies(self.model, self._groups, compute_dtype(self.model))
 
     resident_now = property(lambda self: self.pool is not None and self._resident_pool)  # kept through an update
 

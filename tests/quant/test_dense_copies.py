@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from peft import get_peft_model
 
-from qerl.quant.dense_copies import attach_dense_copies, dense_copy_bytes, detach_dense_copies
+from qerl.quant.dense_copies import (attach_dense_copies, dense_copy_bytes, detach_dense_copies,
+                                     refresh_stale_copies)
 from qerl.quant.grouped import group_projections, projections_fused, ungroup_projections
 from qerl.quant.linear import DENSE_COPY_MIN_ROWS, FP4Linear, dense_copy_used
 from qerl.quant.loader import load_quantized_model
@@ -40,6 +41,29 @@ def test_layer_uses_its_copy_for_inference_in_its_dtype_only():
     assert layer(many.double()).dtype == torch.float64  # another dtype: the FP4 path
     detach_dense_copies(layer)
     assert "dense_copy" not in layer.__dict__ and "dense_copy" not in layer.state_dict()
+
+
+def test_a_copy_kept_across_calls_follows_its_packed_weight_rewritten_in_place():
+    """A resident engine keeps its dense copies across updates: a packed weight rewritten in place (a full run's
+    NVFP4 rollout copy, every step) is re-dequantized into the same storage before the next rollout; an unchanged
+    one is left alone."""
+    from qerl.quant.format import quantize_nvfp4
+
+    layer, other = _layer(), _layer(rows_out=32)
+    model = torch.nn.ModuleList([layer, other])
+    attach_dense_copies(model, [], torch.float32)
+    ptr = layer.dense_copy.data_ptr()
+    assert refresh_stale_copies(model) == 0
+    new_w = torch.randn(48, 64, dtype=torch.float64)
+    packed, scale, gscale = quantize_nvfp4(new_w)
+    with torch.no_grad():
+        layer.weight_packed.copy_(packed)
+        layer.weight_scale.copy_(scale)
+        layer.weight_global_scale.copy_(gscale.reshape(1))
+    assert not torch.equal(layer.dense_copy, layer.dequantize_weight(torch.float32))  # stale
+    assert refresh_stale_copies(model) == 1
+    assert layer.dense_copy.data_ptr() == ptr and torch.equal(layer.dense_copy, layer.dequantize_weight(torch.float32))
+    assert refresh_stale_copies(model) == 0
 
 
 def test_grouped_model_over_copies_equals_fp4_path(nvfp4_dir, monkeypatch):
