@@ -61,9 +61,10 @@ def attach_dense_copies(model: nn.Module, groups, dtype: torch.dtype) -> int:
 
 
 def _weight_key(module: FP4Linear) -> tuple:
-    """Identity and in-place version of a layer's packed tensors: changes whenever they are rewritten."""
-    return tuple((t.data_ptr(), t._version) for t in (module.weight_packed, module.weight_scale,
-                                                        module.weight_global_scale) if t is not None)
+    """Identity and in-place version of a layer's packed tensors: changes whenever they are rewritten (tensors made
+    under torch.inference_mode keep no version: their address only)."""
+    return tuple((t.data_ptr(), -1 if t.is_inference() else t._version)
+                 for t in (module.weight_packed, module.weight_scale, module.weight_global_scale) if t is not None)
 
 
 def refresh_stale_copies(model: nn.Module) -> int:

@@ -157,3 +157,11 @@ def test_no_cpu_copies_when_they_would_take_over_a_quarter_of_the_free_host_memo
     assert "dense_copy" not in layer.__dict__
     monkeypatch.undo()  # the real reader: a number on Linux
     assert dense_mod.available_host_bytes() > 0
+
+
+def test_weights_made_under_inference_mode_are_keyed_by_address():
+    """Inference tensors keep no version counter: their copies are refreshed by address only, never an error."""
+    with torch.inference_mode():
+        layer = _layer()
+    attach_dense_copies(layer, [], torch.float32)
+    assert refresh_stale_copies(layer) == 0
