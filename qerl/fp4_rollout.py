@@ -26,23 +26,18 @@ train.rollout_correction tis corrects (truncated importance sampling); the confi
 """
 from __future__ import annotations
 
-import copy
 
 import torch
 from torch import nn
 
 from qerl.errors import QerlError
+from qerl.plain_copy import full_tensor, meta_copy, share_buffers
 from qerl.quant.format import NVFP4_GROUP, nvfp4_global_scale, quantize_nvfp4
 from qerl.quant.linear import FP4Linear
 
 # projections of one decoder layer sharing a global scale (llmcompressor's FUSED_LAYER_NAMES for Qwen2/Llama)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 CHUNK_ELEMENTS = 1 << 24  # weights quantized at once: bounds quantize_nvfp4's float32 intermediates (~64 MiB each)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP2 shard (an all-gather: every rank calls), or the tensor itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def fused_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
@@ -80,10 +75,7 @@ class FP4RolloutCopy:
     the model's dtype, all allocated here once and refreshed in place by gather() (see the module docstring)."""
 
     def __init__(self, model: nn.Module, device: torch.device):
-        with torch.device("meta"):  # its own config: the engines swap the attention implementation in it
-            self.module = type(model)(copy.deepcopy(model.config))
-        self.module.generation_config = model.generation_config  # EOS ids the engines read
-        self.module.requires_grad_(False).eval()
+        self.module = meta_copy(model)
         sources = dict(model.named_parameters())
         names = {id(m): n for n, m in self.module.named_modules()}
         self.groups: list[list[str]] = []  # fused groups of FP4Linear names, layer by layer
@@ -131,9 +123,7 @@ class FP4RolloutCopy:
 
     def bind_buffers(self, model: nn.Module) -> None:
         """Share the model's buffers (rotary frequencies; FSDP leaves buffers whole), once it sits on its device."""
-        for name, buf in model.named_buffers():
-            owner, _, key = name.rpartition(".")
-            self.module.get_submodule(owner)._buffers[key] = buf
+        share_buffers(self.module, model)
 
     @torch.no_grad()
     def gather(self, model: nn.Module) -> None:
@@ -141,9 +131,9 @@ class FP4RolloutCopy:
         gathered, quantized with one global scale and dropped (collectives in one order on every rank)."""
         sources = dict(model.named_parameters())
         for name, p in self.dense.items():
-            p.copy_(_full(sources[name]))
+            p.copy_(full_tensor(sources[name]))
         for group in self.groups:
-            weights = [_full(sources[f"{name}.weight"]) for name in group]
+            weights = [full_tensor(sources[f"{name}.weight"]) for name in group]
             scale = fused_global_scale(weights)
             for name, w in zip(group, weights):
                 quantize_into(self.linears[name], w, scale)

@@ -35,7 +35,6 @@ rolls out and scores its share of the step's prompt groups, the loss is normalis
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import types
 
@@ -45,6 +44,7 @@ from torch import nn
 from qerl.checkpoint import IMPLEMENTATION_KEYS
 from qerl.distributed import Ranks, Replicated
 from qerl.errors import QerlError
+from qerl.plain_copy import full_tensor, meta_copy, share_buffers
 
 
 def sharded(cfg, ranks: Ranks) -> bool:
@@ -97,10 +97,7 @@ class GatheredPolicy:
     gather() from the sharded model's full tensors and freed by release(); buffers are the model's own."""
 
     def __init__(self, model: nn.Module, device: torch.device):
-        with torch.device("meta"):  # its own config: the engines swap the attention implementation in it
-            self.module = type(model)(copy.deepcopy(model.config))
-        self.module.generation_config = model.generation_config  # EOS ids the engines read
-        self.module.requires_grad_(False).eval()
+        self.module = meta_copy(model)
         sources = dict(model.named_parameters())
         self.params: dict[str, nn.Parameter] = {}
         made: dict[int, nn.Parameter] = {}
@@ -120,9 +117,7 @@ class GatheredPolicy:
 
     def bind_buffers(self, model: nn.Module) -> None:
         """Share the model's buffers (rotary frequencies; FSDP leaves buffers whole), once it sits on its device."""
-        for name, buf in model.named_buffers():
-            owner, _, key = name.rpartition(".")
-            self.module.get_submodule(owner)._buffers[key] = buf
+        share_buffers(self.module, model)
 
     @torch.no_grad()
     def gather(self, model: nn.Module) -> None:
@@ -132,7 +127,7 @@ class GatheredPolicy:
             storage = p.untyped_storage()
             storage.resize_(p.numel() * p.element_size())
             src = sources[name]
-            p.copy_(src.full_tensor() if hasattr(src, "full_tensor") else src)
+            p.copy_(full_tensor(src))
 
     def release(self) -> None:
         for p in self.params.values():
@@ -208,7 +203,7 @@ class FullySharded:
     def reduce_and_clip(self, params, max_norm: float) -> float:
         """Clip by the whole gradient's norm (its shards were reduce-scattered by each backward)."""
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return float(full_tensor(norm))
 
     @contextlib.contextmanager
     def gathered(self):
