@@ -86,7 +86,8 @@ def memory_fields(estimate: dict, result: dict) -> dict:
     copies = result.get("weight_copies_gib") or [0.0] * len(result["rollout_peak_gib"])
     measured = {"update": max(u - r for u, r in zip(result["update_peak_gib"], resident)),
                 "rollout": max(a - k - c for a, k, c in zip(result["rollout_peak_gib"], result["kv_pool_gib"], copies)),
-                "update_with_engine": max(result["update_peak_gib"]), "rollout_with_pool": max(result["rollout_peak_gib"])}
+                "update_with_engine": max(result["update_peak_gib"]),
+                "rollout_with_pool": max(result["rollout_peak_gib"])}
     ratio = {k: round(measured[k] / estimate[k], 3) if estimate[k] else None for k in ("update", "rollout")}
     return {"estimate": estimate, "measured": {k: round(v, 2) for k, v in measured.items()}, "ratio": ratio}
 
@@ -123,7 +124,8 @@ def table(results: list[dict]) -> str:
         lines.append(f"  peak GiB per GPU, rollout (KV pool) / update: {peaks}; engine kept through the update "
                      f"{_ranks(r.get('engine_resident_gib', []), '.1f')}, weight copies "
                      f"{_ranks(r.get('weight_copies_gib', []), '.1f')}; measured / estimated: update without the "
-                     f"engine x{ratio['update'] or 0:.2f}, rollout without pool and copies x{ratio['rollout'] or 0:.2f}")
+                     f"engine x{ratio['update'] or 0:.2f}, rollout without pool and copies "
+                     f"x{ratio['rollout'] or 0:.2f}")
     lines += speedup_lines(results)
     return "\n".join(lines)
 

@@ -24,16 +24,13 @@ from bench.humming_tune import _L2_SPAN, copy_bandwidth, graph_us
 
 def run_shape(name, segments, rows, bandwidth, bias: bool) -> dict:
     from qerl.quant.dispatch import run_lora_expand
+    from qerl.quant.grouped import block_diagonal
 
     n, s = sum(segments), len(segments)
     n1, n2 = ([*[sum(segments[:i + 1]) for i in range(s - 1)], n, n])[:2]
     gen = torch.Generator(device="cuda").manual_seed(0)
     b = torch.randn(n, RANK, device="cuda", dtype=torch.bfloat16, generator=gen)
-    diag = torch.zeros(n, s * RANK, device="cuda", dtype=torch.bfloat16)
-    lo = 0
-    for i, size in enumerate(segments):
-        diag[lo:lo + size, i * RANK:(i + 1) * RANK] = b[lo:lo + size]
-        lo += size
+    diag = block_diagonal(b, segments)
     bi = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen) if bias else None
     result = {"segments": list(segments), "bias": bias, "rows": {}}
     for m in rows:

@@ -11,11 +11,11 @@ stacked path. FP4 bases (FP4LoraLinear): `qerl.quant.dispatch.fp4_lora_matmul` w
 (LoRA B in its epilogue, one global scale per member; on humming's kernel and the dense copies one
 `qerl.quant.dispatch.lora_expand` pass) and one x @ A.T launch per group. Dense bases (peft's LoRA Linear over
 nn.Linear, e.g. the bf16 baseline): one cuBLAS GEMM over the stacked weight, one x @ A.T and one lora_expand pass
-(every member's B product added to its slice of the output), instead of four launches per layer. The first member computes the whole
-group when it is called; the others return their slice when called with the very same input tensor, and compute
-on their own otherwise (a model that calls them differently stays correct, only unfused). In-place writes to a
-member's weights (load_state_dict, copy_) reach the stacked tensors; moving the model to another device or dtype
-does not: ungroup first (TorchEngine.close does).
+(every member's B product added to its slice of the output), instead of four launches per layer. The first member
+computes the whole group when it is called; the others return their slice when called with the very same input
+tensor, and compute on their own otherwise (a model that calls them differently stays correct, only unfused).
+In-place writes to a member's weights (load_state_dict, copy_) reach the stacked tensors; moving the model to
+another device or dtype does not: ungroup first (TorchEngine.close does).
 """
 from __future__ import annotations
 
@@ -51,6 +51,17 @@ def _grouped_dense_forward(self, x, *args, **kwargs):
     grouped = self.__dict__["_qerl_group"]
     out = grouped[0].member_forward(grouped[1], x) if not args and not kwargs else None
     return out if out is not None else type(self).forward(self, x, *args, **kwargs)
+
+
+def block_diagonal(b: torch.Tensor, sizes) -> torch.Tensor:
+    """A stacked B (N, r) of members with these output sizes laid out as (N, members x r): member i's rows in
+    columns i r .. (i + 1) r, zeros elsewhere (one GEMM over the stacked x @ A.T adds every member's product)."""
+    r, start = b.shape[1], 0
+    diag = b.new_zeros(b.shape[0], r * len(sizes))
+    for i, size in enumerate(sizes):
+        diag[start:start + size, i * r:(i + 1) * r] = b[start:start + size]
+        start += size
+    return diag
 
 
 class ProjectionGroup:
@@ -122,11 +133,7 @@ class ProjectionGroup:
         with torch.no_grad():
             a = torch.cat([m.lora_A[self.adapter].weight for m in self.members]).to(dtype)
             b = torch.cat([m.lora_B[self.adapter].weight for m in self.members]).to(dtype)
-            r, start = b.shape[1], 0
-            diag = b.new_zeros(b.shape[0], r * len(self.members))
-            for i, size in enumerate(self.sizes):
-                diag[start:start + size, i * r:(i + 1) * r] = b[start:start + size]
-                start += size
+            diag = block_diagonal(b, self.sizes)
             if self.lora_a is None or self.lora_a.shape != a.shape or self.lora_a.dtype != dtype:
                 self.lora_a, self.lora_b, self.lora_b_diag = a, b, diag
             else:

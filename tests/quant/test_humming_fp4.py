@@ -7,6 +7,7 @@ import torch
 
 from qerl.quant.dispatch import run_fp4_matmul
 from qerl.quant.format import dequantize_nvfp4, quantize_nvfp4
+from qerl.quant.grouped import block_diagonal
 from qerl.quant.reference import reference_fp4_lora_matmul
 
 pytestmark = pytest.mark.gpu
@@ -64,9 +65,7 @@ def test_forward_matches_float64_reference(rows, case):
         lora_a = torch.randn(8 * len(sizes), k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         lora_b = torch.randn(n, 8, device="cuda", dtype=torch.bfloat16)
     if case == "stacked-lora-diag":
-        diag = torch.zeros(n, 8 * len(sizes), device="cuda", dtype=torch.bfloat16)
-        for i, (a, b) in enumerate(_bounds(sizes)):
-            diag[a:b, 8 * i:8 * (i + 1)] = lora_b[a:b]
+        diag = block_diagonal(lora_b, sizes)
     segments = sizes if len(sizes) > 1 else None
     out = run_fp4_matmul(x, wp, ws, gs, bias, lora_a, lora_b, 0.5, segments=segments, kernel="humming",
                          lora_b_diag=diag)

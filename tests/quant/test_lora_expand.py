@@ -8,6 +8,7 @@ import torch
 
 from qerl.errors import QerlError
 from qerl.quant.dispatch import lora_expand, run_lora_expand
+from qerl.quant.grouped import block_diagonal
 from tests.rollout.interpreted import run_interpreted
 
 CASES = [  # rows, member sizes along N, r, bias
@@ -32,15 +33,6 @@ def reference(base, xa, b, scale, sizes, bias):
         out[:, lo:lo + size] += scale * xa[:, i * r:(i + 1) * r].double() @ b[lo:lo + size].double().T
         lo += size
     return out
-
-
-def block_diagonal(b, sizes):
-    r, lo = b.shape[1], 0
-    diag = b.new_zeros(b.shape[0], r * len(sizes))
-    for i, size in enumerate(sizes):
-        diag[lo:lo + size, i * r:(i + 1) * r] = b[lo:lo + size]
-        lo += size
-    return diag
 
 
 @pytest.mark.parametrize("m,sizes,r,bias", CASES)
