@@ -67,14 +67,14 @@ def shape_of(size: str):
 
 def memory_estimate(size: str, mode: str, train, ranks: int) -> dict:
     """qerl.memory.rank_memory_gib (GiB) for one of `ranks` ranks of this TrainConfig: its total, its terms, and its
-    two phases: the update (every term but gathered, with activations) and the rollout (every term but activations,
-    with gathered; the paged pool is no term of the estimate: it takes a fraction of whatever is free)."""
+    two phases, update and rollout (the paged pool is no term of the estimate: it takes a fraction of whatever is
+    free)."""
     from qerl.memory import rank_memory_gib
 
     est = rank_memory_gib(shape_of(size), "nvfp4" if mode == "fp4" else "bf16", train, ranks)
-    both = sum(v for k, v in est.items() if k not in ("total", "gathered", "activations"))  # held in both phases
-    return {"update": round(both + est["activations"], 4), "rollout": round(both + est["gathered"], 4),
-            "total": round(est["total"], 4), "terms": {k: round(v, 4) for k, v in est.items() if k != "total"}}
+    phases = ("total", "update_total", "rollout_total")
+    return {"update": round(est["update_total"], 4), "rollout": round(est["rollout_total"], 4),
+            "total": round(est["total"], 4), "terms": {k: round(v, 4) for k, v in est.items() if k not in phases}}
 
 
 def memory_fields(estimate: dict, result: dict) -> dict:

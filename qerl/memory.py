@@ -6,7 +6,8 @@ Per rank, for the Qwen2.5 shapes of `model_size` (SmolLM2-135M for 0.1B); S = ma
 max_completion_length, the longest row; D = bytes of train.dtype (4 for float32, else 2):
   weights      linear layers x the scheme's bytes per parameter (bf16: D; nvfp4: 4.5 bits; mxfp4: 4.25; nf4:
                4.127) + embeddings and lm_head in D bytes. mode full: every parameter x 4 D (weight, gradient and
-               AdamW's two states in the model's dtype) / N ranks (num_nodes x num_gpus): FSDP2 shards them
+               AdamW's two states in the model's dtype) / N ranks (num_nodes x num_gpus): FSDP2 shards them; the
+               gradient (1 D of the 4) is freed before each rollout
   adapter      LoRA parameters (r x (in + out) of each target projection of each layer) x 16 (fp32 weight,
                gradient and AdamW's two states)
   rollout      torch engine: its static KV cache holds every row of the rank at once, rows x S x 2 x layers x
@@ -25,7 +26,8 @@ max_completion_length, the longest row; D = bytes of train.dtype (4 for float32,
                mlp_chunks) x D; without: layers x those tensors] + the lm_head chunk (logprob_chunk_size x vocab
                x 12 bytes: fp32 log-softmax, its gradient and the entropy buffer)
   overhead     3 GiB (CUDA context, allocator slack, NCCL buffers)
-total = weights + adapter + rollout + fp4_copy + max(gathered, activations) + overhead.
+Two phases: update_total = weights + adapter + rollout + fp4_copy + activations + overhead; rollout_total = the same
+with gathered for activations, less mode full's gradient. total = the larger.
 A card is taken as 80 GiB, a node as 8 of them. The estimate is rough (within tens of percent); it exists to refuse
 what cannot fit, and to name how many GPUs (and nodes) an experiment needs.
 
@@ -101,8 +103,10 @@ def rank_memory_gib(shape: Shape, scheme: str, train, ranks: int) -> dict[str, f
     # what FSDP holds unsharded during the update: the root unit (embeddings, lm_head) and a layer plus the
     # prefetched next one, each with its gradient before the reduce-scatter
     units = (shape.embedding_params + 2 * shape.linear_params / shape.layers) * 2 * d if sharded else 0.0
+    grads = 0.0
     if train.mode == "full":
         weights = params * 4 * d / ranks
+        grads = params * d / ranks  # set to None after each optimizer step: absent while the engine rolls out
         adapter = 0.0
     else:
         weights = shape.linear_params * (_BITS[scheme] / 8 if scheme in _BITS else d) + shape.embedding_params * d
@@ -128,8 +132,10 @@ def rank_memory_gib(shape: Shape, scheme: str, train, ranks: int) -> dict[str, f
     out = {k: v / _GIB for k, v in terms.items()}
     out["overhead"] = OVERHEAD_GIB
     # the gathered copy lives during rollouts, the activations during the update; the FP4 copy through both
-    out["total"] = out["weights"] + out["adapter"] + out["rollout"] + out["fp4_copy"] \
-        + max(out["gathered"], out["activations"]) + OVERHEAD_GIB
+    both = out["weights"] + out["adapter"] + out["rollout"] + out["fp4_copy"] + OVERHEAD_GIB
+    out["update_total"] = both + out["activations"]
+    out["rollout_total"] = both - grads / _GIB + out["gathered"]
+    out["total"] = max(out["update_total"], out["rollout_total"])
     return out
 
 
@@ -195,8 +201,7 @@ def _pool_and_row(shape: Shape, train, est: dict[str, float]) -> tuple[float, fl
     d = 4 if train.dtype == "float32" else 2
     row = (train.max_prompt_length + train.max_completion_length) * 2 * shape.layers * shape.kv_heads \
         * shape.head_dim * d / _GIB
-    pool = train.rollout.gpu_memory_utilization * (GPU_GIB - est["weights"] - est["adapter"] - est["gathered"]
-                                                   - est["fp4_copy"] - est["overhead"])
+    pool = train.rollout.gpu_memory_utilization * (GPU_GIB - est["rollout_total"] + est["rollout"])
     return pool, row
 
 
