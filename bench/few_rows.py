@@ -24,6 +24,25 @@ from bench.humming_tune import _L2_SPAN, copy_bandwidth, graph_us
 from bench.random_models import QWEN25_SHAPES
 
 RANK = 32
+# Triton tiles of 32 rows, timed beside the shipped rule from 17 rows (bm, bn, bk, warps, stages, maxnreg): does one
+# 32-row tile, which decodes each weight once for all rows, beat humming where the rule sends these rows?
+MID_TILES = [(32, 32, 256, 4, 3, 128), (32, 32, 128, 4, 4, None), (32, 64, 128, 4, 3, None), (32, 64, 256, 4, 3, None),
+             (32, 32, 256, 8, 3, None)]
+
+
+def mid_configs(m, n, k):
+    """(label, KernelConfig) of MID_TILES at m rows, each with the split-K counts the few-row rule would pick."""
+    import math
+
+    from qerl.quant.kernels.tiling import KernelConfig, k_block, pick_split
+
+    dev = torch.device("cuda")
+    for bm, bn, bk, warps, stages, maxnreg in MID_TILES:
+        bk = k_block(k, bk)
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        for split in sorted({pick_split(tiles, math.ceil(k / bk), dev, waves=w) for w in (2, 6)}):
+            yield (f"t{bm}x{bn}x{bk}w{warps}s{stages}k{split}",
+                   KernelConfig(bm, bn, bk, split, warps, stages, 8, maxnreg))
 
 
 def layers(size: str) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -46,7 +65,7 @@ def weights(segments, k, copies, gen):
     return out
 
 
-def run_shape(name, segments, k, rows, bandwidth, humming) -> dict:
+def run_shape(name, segments, k, rows, bandwidth, humming, mid=False) -> dict:
     from qerl.quant.dispatch import run_fp4_matmul
     from qerl.quant.kernels import humming_fp4
 
@@ -75,12 +94,25 @@ def run_shape(name, segments, k, rows, bandwidth, humming) -> dict:
             except Exception as err:  # noqa: BLE001 - report and go on to the next kernel
                 row[kernel] = None
                 print(f"  {name} M={m} {kernel}: {type(err).__name__}: {str(err)[:160]}", flush=True)
+        if mid and m > 16:
+            tried = {}
+            for label, cfg in mid_configs(m, n, k):
+                def call(i, cfg=cfg):
+                    wp, ws, gs, a, b = ws_[i]
+                    run_fp4_matmul(x, wp, ws, gs, None, a, b, 1.0, segments=seg, config=cfg)
+                try:
+                    tried[label] = graph_us(call, copies)
+                except Exception as err:  # noqa: BLE001 - a tile that does not build: report, go on
+                    print(f"  {name} M={m} {label}: {type(err).__name__}: {str(err)[:120]}", flush=True)
+            if tried:
+                best = min(tried, key=tried.get)
+                row["triton_mid"], row["triton_mid_tile"], row["triton_mid_all"] = tried[best], best, tried
 
         xa_w = [torch.randn(len(seg) * RANK, k, device="cuda", dtype=torch.bfloat16) for _ in dense]
         b_d = [torch.randn(n, len(seg) * RANK, device="cuda", dtype=torch.bfloat16) for _ in dense]
         row["bf16"] = graph_us(lambda i: torch.addmm(x @ dense[i].T, x @ xa_w[i].T, b_d[i].T), len(dense))
         result["rows"][m] = row
-        ours = {kn: v for kn, v in row.items() if kn in ("cuda", "triton", "humming")
+        ours = {kn: v for kn, v in row.items() if kn in ("cuda", "triton", "humming", "triton_mid")
                 and v}
         text = "  ".join(f"{kn} {v:6.1f}" for kn, v in ours.items())
         print(f"{name:8s} M={m:3d}  {text}  bf16 {row['bf16']:6.1f}  floor {result['floor_us']:5.1f} us"
@@ -97,6 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=ints, default=[1, 8, 16, 24, 32])
     p.add_argument("--layers", default="qkv,o,gate_up,down")
     p.add_argument("--no-humming", action="store_true")
+    p.add_argument("--mid", action="store_true", help="from 17 rows also time MID_TILES (32-row Triton tiles)")
     p.add_argument("--out", default="results/bench/few_rows.json")
     args = p.parse_args(argv)
     from qerl.quant.kernels import humming_fp4
@@ -113,7 +146,7 @@ def main(argv=None) -> int:
         for name in args.layers.split(","):
             segments, k = layers(size)[name]
             payload["shapes"][f"{size}/{name}"] = run_shape(f"{size}/{name}", segments, k, args.rows, bandwidth,
-                                                            humming)
+                                                            humming, args.mid)
             out.with_suffix(".tmp").write_text(json.dumps(payload, indent=2) + "\n")
             os.replace(out.with_suffix(".tmp"), out)
     totals = {}

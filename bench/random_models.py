@@ -148,3 +148,22 @@ def kv_bytes_per_step(config, rows: int, cache_len: int, dtype: torch.dtype = to
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
     return rows * cache_len * per_token * torch.empty(0, dtype=dtype).element_size()
+
+
+def paged_attention_case(rows, heads, kv_heads, head_dim, block_size, lengths, dtype, device, seed=0):
+    """Paged decode attention inputs (q, k_cache, v_cache, block_table, context_lens): a shuffled pool (blocks of a
+    row are scattered, block 0 unused) and rows of the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lengths]
+    num_blocks = 1 + sum(need) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, width = [], max(need) + 1  # one spare column: the kernel must stop at the length, not the width
+    for n in need:
+        tables.append(perm[:n] + [0] * (width - n))
+        perm = perm[n:]
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    q = torch.randn(rows, heads, head_dim, generator=gen).to(device, dtype)
+    table = torch.tensor(tables, dtype=torch.int32, device=device)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    return q, k, v, table, lens

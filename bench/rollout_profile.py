@@ -15,6 +15,8 @@ import torch
 from bench.decode_step import kind_of
 
 GAP_US = 20.0  # idle stretches shorter than this are launch latency inside a step, not the host's waiting
+TOP = 16  # kernels listed by name: what a kind is made of, to choose the next fusion
+NAME_CHARS = 90
 
 
 def _kind(name: str) -> str:
@@ -42,6 +44,7 @@ def summarize(spans: list[tuple[float, float, str]], wall_s: float) -> dict:
     """spans: (start us, end us, kernel name), sorted by start. Busy = the union of the spans; idle stretches
     >= GAP_US between them are counted and summed."""
     by_kind: dict[str, list[float]] = {}
+    by_name: dict[str, list] = {}
     busy = idle = 0.0
     gaps: list[float] = []
     end = None
@@ -49,6 +52,9 @@ def summarize(spans: list[tuple[float, float, str]], wall_s: float) -> dict:
         entry = by_kind.setdefault(_kind(name), [0, 0.0])
         entry[0] += 1
         entry[1] += stop - start
+        named = by_name.setdefault(name[:NAME_CHARS], [0, 0.0, _kind(name)])
+        named[0] += 1
+        named[1] += stop - start
         if end is None or start >= end:
             if end is not None and start - end >= GAP_US:
                 gaps.append(start - end)
@@ -63,7 +69,9 @@ def summarize(spans: list[tuple[float, float, str]], wall_s: float) -> dict:
     return {"wall_s": wall_s, "gpu_span_s": ((end or 0.0) - first) / 1e6, "busy_s": busy / 1e6,
             "idle_gaps_s": idle / 1e6, "idle_gaps": len(gaps), "longest_gaps_ms": [round(g / 1e3, 2) for g in gaps[:8]],
             "by_kind": {k: {"count": c, "s": us / 1e6} for k, (c, us) in
-                        sorted(by_kind.items(), key=lambda kv: -kv[1][1])}}
+                        sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
+            "top_kernels": [{"name": n, "kind": k, "count": c, "s": us / 1e6} for n, (c, us, k) in
+                            sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP]]}
 
 
 def format_profile(mode: str, p: dict, unprofiled_s: float | None = None) -> str:
@@ -73,4 +81,8 @@ def format_profile(mode: str, p: dict, unprofiled_s: float | None = None) -> str
              f"{GAP_US:.0f} us (longest ms: {', '.join(str(g) for g in p['longest_gaps_ms'])})"]
     for kind, v in p["by_kind"].items():
         lines.append(f"  {kind:14s} {v['s']:8.3f} s  {v['count']:>9,d} kernels")
+    if p.get("top_kernels"):
+        lines.append(f"  the {len(p['top_kernels'])} kernels taking the most time (s, launches, us each, kind, name):")
+        lines += [f"    {t['s']:7.3f} {t['count']:>9,d} {1e6 * t['s'] / t['count']:7.1f}  {t['kind']:12s} {t['name']}"
+                  for t in p["top_kernels"]]
     return "\n".join(lines)

@@ -66,3 +66,40 @@ def test_copies_are_tracked_by_identity_dropped_one_by_one_and_forgotten_with_th
     assert hf.copies_nbytes() == 7 and len(hf._live) == 1
     hf.clear()
     assert not hf.has_copy(b) and hf.copies_nbytes() == 0 and not hf._live
+
+
+def test_one_weight_of_each_shape_is_built_at_once_then_the_rest_in_order(monkeypatch):
+    """build_copies: the first weight of each distinct shape in its own thread (humming compiles per shape), all
+    of them running together; the others after, one each, in the operands' order; humming's compile seconds
+    count the wall clock, not the sum over threads."""
+    import threading
+    import time
+
+    from qerl.quant import humming_copies
+    from qerl.quant.kernels import humming_fp4
+
+    model = _model()
+    groups = group_projections(model, kinds=("fp4",))
+    ops = _operands(model, groups)
+    distinct = {humming_copies._shape_key(op) for op in ops}
+    assert len(distinct) == 4 and len(ops) == 8  # two layers of the same four shapes
+    lock, calls = threading.Lock(), []
+    everyone_in = threading.Barrier(len(distinct), timeout=10)  # raises unless all leads run at the same time
+
+    def fake(wp, ws, gs, segs, dtype, rows):
+        with lock:
+            calls.append((id(wp), threading.get_ident()))
+            lead = len(calls) <= len(distinct)
+        if lead:
+            everyone_in.wait()
+            time.sleep(0.05)
+            humming_fp4.PREPARE["seconds"] += 0.05  # as each thread's _prepare would
+        return ("copy", id(wp), dtype, rows)
+
+    monkeypatch.setattr(humming_fp4, "humming_weight", fake)
+    monkeypatch.setitem(humming_fp4.PREPARE, "seconds", 0.0)
+    out = humming_copies.build_copies(ops, torch.bfloat16, (24, 32))
+    assert out == [("copy", id(op[0]), torch.bfloat16, (24, 32)) for op in ops]  # every weight once, in order
+    assert sorted(c[0] for c in calls) == sorted(id(op[0]) for op in ops)
+    assert len({t for _, t in calls[:4]}) == 4  # the leads: one thread each
+    assert 0.05 <= humming_fp4.PREPARE["seconds"] < 4 * 0.05  # wall clock, under the threads' sum

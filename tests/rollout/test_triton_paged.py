@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.random_models import paged_attention_case as random_case
 from qerl.rollout.paged_attention import PagedMeta, _decode_reference
 from tests.rollout.interpreted import run_interpreted
 
@@ -14,24 +15,6 @@ from tests.rollout.interpreted import run_interpreted
 class Pool:
     def __init__(self, block_size):
         self.block_size = block_size
-
-
-def random_case(rows, heads, kv_heads, head_dim, block_size, lengths, dtype, device, seed=0):
-    """A shuffled pool (blocks of a row are scattered, block 0 unused) and rows of the given lengths."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-n // block_size) for n in lengths]
-    num_blocks = 1 + sum(need) + 3
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables, width = [], max(need) + 1  # one spare column: the kernel must stop at the length, not the width
-    for n in need:
-        tables.append(perm[:n] + [0] * (width - n))
-        perm = perm[n:]
-    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
-    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
-    q = torch.randn(rows, heads, head_dim, generator=gen).to(device, dtype)
-    table = torch.tensor(tables, dtype=torch.int32, device=device)
-    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    return q, k, v, table, lens
 
 
 def float64_attention(q, k, v, table, lens, scale):
@@ -54,7 +37,7 @@ INTERPRETED = """
     from tests.rollout.test_triton_paged import float64_attention, random_case
     from qerl.rollout.triton_paged import paged_decode
     errors = []
-    for block_size, split in ((16, 1), (16, 3), (32, 2), (64, 1)):
+    for block_size, split in ((16, 1), (16, 3), (32, 2), (64, 1), (16, 37)):  # 37: two chunks of splits, one short
         q, k, v, table, lens = random_case(3, 4, 2, 16, block_size, [70, 1, 129], torch.float32, "cpu")
         out = paged_decode(q, k, v, table, lens, 0.25, split=split)
         errors.append(float((out.double() - float64_attention(q, k, v, table, lens, 0.25)).abs().max()))
@@ -63,9 +46,10 @@ INTERPRETED = """
 
 
 def test_interpreted_kernel_matches_float64_attention():
-    """Several blocks per tile (16, 32), one tile per block (64), splits with empty ones, a length-1 row."""
+    """Several blocks per tile (16, 32), one tile per block (64), splits with empty ones, a length-1 row, more
+    splits than the combine takes in one load."""
     errors = run_interpreted(INTERPRETED, timeout=120)
-    assert len(errors) == 4 and max(errors) < 1e-5, errors
+    assert len(errors) == 5 and max(errors) < 1e-5, errors
 
 
 @pytest.mark.gpu
