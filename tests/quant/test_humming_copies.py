@@ -103,3 +103,22 @@ def test_one_weight_of_each_shape_is_built_at_once_then_the_rest_in_order(monkey
     assert sorted(c[0] for c in calls) == sorted(id(op[0]) for op in ops)
     assert len({t for _, t in calls[:4]}) == 4  # the leads: one thread each
     assert 0.05 <= humming_fp4.PREPARE["seconds"] < 4 * 0.05  # wall clock, under the threads' sum
+
+
+def test_the_copy_key_follows_in_place_writes_and_takes_inference_tensors():
+    """humming_fp4.HummingWeight._key: a weight rewritten in place gets a new key (refresh_stale rebuilds its copy);
+    weights made under torch.inference_mode, which keep no version counter, are keyed by address."""
+    from qerl.quant.kernels.humming_fp4 import HummingWeight
+
+    def operands():
+        return torch.zeros(64, 64, dtype=torch.uint8), torch.ones(64, 8), torch.ones(1)
+
+    wp, ws, gs = operands()
+    before = HummingWeight._key(wp, ws, gs, (64,), torch.bfloat16)
+    assert HummingWeight._key(wp, ws, gs, (64,), torch.bfloat16) == before
+    ws.mul_(2)
+    assert HummingWeight._key(wp, ws, gs, (64,), torch.bfloat16) != before
+    with torch.inference_mode():
+        frozen = operands()
+    key = HummingWeight._key(*frozen, (64,), torch.bfloat16)
+    assert key == HummingWeight._key(*frozen, (64,), torch.bfloat16) and key[-2:] == ((64,), torch.bfloat16)

@@ -130,8 +130,10 @@ class HummingWeight:
 
     @staticmethod
     def _key(weight_packed, weight_scale, weight_global_scale, segments, dtype):
-        return (weight_packed.data_ptr(), weight_packed._version, weight_scale.data_ptr(), weight_scale._version,
-                weight_global_scale.data_ptr(), weight_global_scale._version, tuple(segments), dtype)
+        """Identity and in-place version of the operands (tensors made under torch.inference_mode keep no version
+        counter: their address only)."""
+        return (*((t.data_ptr(), -1 if t.is_inference() else t._version)
+                  for t in (weight_packed, weight_scale, weight_global_scale)), tuple(segments), dtype)
 
     def refresh_from(self, other: "HummingWeight") -> None:
         """Take `other`'s values into this copy's tensors (same shapes), so captured graphs see them."""
