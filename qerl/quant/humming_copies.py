@@ -61,6 +61,16 @@ def _shape_key(op) -> tuple:
     return tuple(wp.shape), tuple(ws.shape), gs.numel(), segs
 
 
+def _build_in_thread(op, stream, dtype: torch.dtype, rows):
+    """humming_weight in a worker thread, on the weight's device and `stream`, the caller's current stream there (a
+    new thread starts on device 0 and its default stream: rank 1's copies would land on the wrong GPU's context or
+    race the caller's stream)."""
+    if stream is None:
+        return humming_fp4.humming_weight(*op, dtype, rows)
+    with torch.cuda.device(op[0].device), torch.cuda.stream(stream):
+        return humming_fp4.humming_weight(*op, dtype, rows)
+
+
 def build_copies(ops, dtype: torch.dtype, rows) -> list:
     """humming_fp4.humming_weight of each (weight_packed, weight_scale, weight_global_scale, segments), in order.
     The first weight of each distinct shape is built in its own thread, so humming's nvcc runs for all shapes at
@@ -73,7 +83,8 @@ def build_copies(ops, dtype: torch.dtype, rows) -> list:
     if len(leads) > 1:
         spent, start = humming_fp4.PREPARE["seconds"], time.perf_counter()
         with ThreadPoolExecutor(max_workers=len(leads)) as pool:
-            futures = {i: pool.submit(humming_fp4.humming_weight, *ops[i], dtype, rows) for i in leads}
+            streams = {i: torch.cuda.current_stream(ops[i][0].device) if ops[i][0].is_cuda else None for i in leads}
+            futures = {i: pool.submit(_build_in_thread, ops[i], streams[i], dtype, rows) for i in leads}
             built = {i: f.result() for i, f in futures.items()}
         # each thread added its own compile time: count the wall clock the user waited instead
         added = humming_fp4.PREPARE["seconds"] - spent
