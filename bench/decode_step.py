@@ -28,12 +28,11 @@ import torch
 
 # kernel-name fragments of each kind (first match wins; the rest is "other")
 KINDS = (
-    ("norm_rope_act", r"^triton_(poi|red|per)_"),  # inductor's fused kernels (compiled decode), whatever ops they hold
+    ("norm_rope_act", r"^triton_"),  # inductor's fused kernels (compiled decode), whatever ops their names list
     ("fp4_matmul", r"fp4|humming|marlin|gemv_kernel"),
     ("dense_gemm", r"gemm|cutlass|xmma|nvjet|splitk|sm90|sm80|cublas"),
     ("attention", r"paged|attn|attention|_combine"),  # _combine*: the merge of split attention's partials
     ("sampling", r"softmax|scan|cumsum|sort|topk|search|argmax|bucketize"),
-    ("norm_rope_act", r"triton_"),  # inductor's fused kernels (compiled decode)
     ("elementwise", r"elementwise|vectorized|unrolled|pow|rsqrt|silu|mul|add"),
     ("reduction", r"reduce"),
     ("copy_index", r"copy|cat|index|gather|scatter|fill"),

@@ -122,3 +122,21 @@ def test_the_copy_key_follows_in_place_writes_and_takes_inference_tensors():
         frozen = operands()
     key = HummingWeight._key(*frozen, (64,), torch.bfloat16)
     assert key == HummingWeight._key(*frozen, (64,), torch.bfloat16) and key[-2:] == ((64,), torch.bfloat16)
+
+
+def test_weights_that_hold_a_copy_are_not_sent_to_threads(monkeypatch):
+    """A resident engine's next rollout: every weight already holds its copy, so build_copies asks for each in the
+    caller's thread (humming_weight returns the held copy, or refreshes a stale one in place)."""
+    import threading
+
+    from qerl.quant import humming_copies
+    from qerl.quant.kernels import humming_fp4
+
+    model = _model()
+    ops = _operands(model, group_projections(model, kinds=("fp4",)))
+    threads = []
+    monkeypatch.setattr(humming_fp4, "has_copy", lambda wp: True)
+    monkeypatch.setattr(humming_fp4, "humming_weight",
+                        lambda wp, *a: threads.append(threading.get_ident()) or id(wp))
+    assert humming_copies.build_copies(ops, torch.bfloat16, None) == [id(op[0]) for op in ops]
+    assert threads == [threading.get_ident()] * len(ops)
