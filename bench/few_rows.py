@@ -13,6 +13,7 @@ from HBM as in a forward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -65,7 +66,40 @@ def weights(segments, k, copies, gen):
     return out
 
 
-def run_shape(name, segments, k, rows, bandwidth, humming, mid=False) -> dict:
+_ALT_MODULES: dict = {}
+
+
+@contextlib.contextmanager
+def cuda_source(path):
+    """The few-row CUDA kernel built from another fp4_gemv.cu while inside (None: the shipped one). Each file is
+    compiled once; the occupancy and config caches, which read the module, are emptied on the way in and out."""
+    from qerl.quant.kernels import cuda_fp4
+
+    if path is None:
+        yield
+        return
+    dev = torch.cuda.current_device()
+    shipped_file, shipped_module = cuda_fp4.SOURCE_FILE, cuda_fp4._module
+    if (path, dev) not in _ALT_MODULES:
+        cuda_fp4.SOURCE_FILE = Path(path)
+        cuda_fp4.source.cache_clear()
+        try:
+            _ALT_MODULES[(path, dev)] = shipped_module.__wrapped__(dev)
+        finally:
+            cuda_fp4.SOURCE_FILE = shipped_file
+            cuda_fp4.source.cache_clear()
+    cuda_fp4._module = lambda index: _ALT_MODULES[(path, index)]
+    cuda_fp4._occupancy.cache_clear()
+    cuda_fp4._config.cache_clear()
+    try:
+        yield
+    finally:
+        cuda_fp4._module = shipped_module
+        cuda_fp4._occupancy.cache_clear()
+        cuda_fp4._config.cache_clear()
+
+
+def run_shape(name, segments, k, rows, bandwidth, humming, mid=False, alt_source=None) -> dict:
     from qerl.quant.dispatch import run_fp4_matmul
     from qerl.quant.kernels import humming_fp4
 
@@ -84,16 +118,19 @@ def run_shape(name, segments, k, rows, bandwidth, humming, mid=False) -> dict:
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         row = {}
-        kernels = [kn for kn, ok in (("cuda", m <= 16), ("triton", True), ("humming", humming)) if ok]
-        for kernel in kernels:
+        kernels = [(kn, kn, None) for kn, ok in (("cuda", m <= 16), ("triton", True), ("humming", humming)) if ok]
+        for source in (alt_source or []) if m <= 16 else []:
+            kernels.insert(1, (f"cuda:{Path(source).stem}", "cuda", source))
+        for label, kernel, source in kernels:
             def call(i, kernel=kernel):
                 wp, ws, gs, a, b = ws_[i]
                 run_fp4_matmul(x, wp, ws, gs, None, a, b, 1.0, segments=seg, kernel=kernel)
             try:
-                row[kernel] = graph_us(call, copies)
+                with cuda_source(source):
+                    row[label] = graph_us(call, copies)
             except Exception as err:  # noqa: BLE001 - report and go on to the next kernel
-                row[kernel] = None
-                print(f"  {name} M={m} {kernel}: {type(err).__name__}: {str(err)[:160]}", flush=True)
+                row[label] = None
+                print(f"  {name} M={m} {label}: {type(err).__name__}: {str(err)[:160]}", flush=True)
         if mid and m > 16:
             tried = {}
             for label, cfg in mid_configs(m, n, k):
@@ -112,8 +149,8 @@ def run_shape(name, segments, k, rows, bandwidth, humming, mid=False) -> dict:
         b_d = [torch.randn(n, len(seg) * RANK, device="cuda", dtype=torch.bfloat16) for _ in dense]
         row["bf16"] = graph_us(lambda i: torch.addmm(x @ dense[i].T, x @ xa_w[i].T, b_d[i].T), len(dense))
         result["rows"][m] = row
-        ours = {kn: v for kn, v in row.items() if kn in ("cuda", "triton", "humming", "triton_mid")
-                and v}
+        ours = {kn: v for kn, v in row.items() if (kn in ("cuda", "triton", "humming", "triton_mid")
+                                                   or kn.startswith("cuda:")) and v}
         text = "  ".join(f"{kn} {v:6.1f}" for kn, v in ours.items())
         print(f"{name:8s} M={m:3d}  {text}  bf16 {row['bf16']:6.1f}  floor {result['floor_us']:5.1f} us"
               , flush=True)
@@ -130,6 +167,10 @@ def main(argv=None) -> int:
     p.add_argument("--layers", default="qkv,o,gate_up,down")
     p.add_argument("--no-humming", action="store_true")
     p.add_argument("--mid", action="store_true", help="from 17 rows also time MID_TILES (32-row Triton tiles)")
+    p.add_argument("--cuda-source", default=None, type=lambda v: [f for f in v.split(",") if f],
+                   help="also time the few-row CUDA kernel built from these fp4_gemv.cu files (comma-separated; "
+                        "an earlier commit's: git show REV:qerl/quant/kernels/fp4_gemv.cu > old.cu), each as "
+                        "cuda:<file stem>")
     p.add_argument("--out", default="results/bench/few_rows.json")
     args = p.parse_args(argv)
     from qerl.quant.kernels import humming_fp4
@@ -146,7 +187,7 @@ def main(argv=None) -> int:
         for name in args.layers.split(","):
             segments, k = layers(size)[name]
             payload["shapes"][f"{size}/{name}"] = run_shape(f"{size}/{name}", segments, k, args.rows, bandwidth,
-                                                            humming, args.mid)
+                                                            humming, args.mid, args.cuda_source)
             out.with_suffix(".tmp").write_text(json.dumps(payload, indent=2) + "\n")
             os.replace(out.with_suffix(".tmp"), out)
     totals = {}
