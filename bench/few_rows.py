@@ -70,25 +70,32 @@ _ALT_MODULES: dict = {}
 
 
 @contextlib.contextmanager
-def cuda_source(path):
-    """The few-row CUDA kernel built from another fp4_gemv.cu while inside (None: the shipped one). Each file is
-    compiled once; the occupancy and config caches, which read the module, are emptied on the way in and out."""
+def cuda_source(spec):
+    """The few-row CUDA kernel built from another source while inside (None: the shipped one). spec: a path to
+    another fp4_gemv.cu, or "+NAME=VALUE" (several joined by "+"): the shipped file with those #defines in front
+    (the experiments it keeps behind #ifdef). Each is compiled once; the occupancy and config caches, which read
+    the module, are emptied on the way in and out."""
     from qerl.quant.kernels import cuda_fp4
 
-    if path is None:
+    if spec is None:
         yield
         return
     dev = torch.cuda.current_device()
-    shipped_file, shipped_module = cuda_fp4.SOURCE_FILE, cuda_fp4._module
-    if (path, dev) not in _ALT_MODULES:
-        cuda_fp4.SOURCE_FILE = Path(path)
-        cuda_fp4.source.cache_clear()
+    shipped_file, shipped_source, shipped_module = cuda_fp4.SOURCE_FILE, cuda_fp4.source, cuda_fp4._module
+    if (spec, dev) not in _ALT_MODULES:
+        if spec.startswith("+"):
+            defines = "".join(f"#define {d.partition('=')[0]} {d.partition('=')[2] or 1}\n"
+                              for d in spec[1:].split("+") if d)
+            cuda_fp4.source = lambda: defines + shipped_source()
+        else:
+            cuda_fp4.SOURCE_FILE = Path(spec)
+            shipped_source.cache_clear()
         try:
-            _ALT_MODULES[(path, dev)] = shipped_module.__wrapped__(dev)
+            _ALT_MODULES[(spec, dev)] = shipped_module.__wrapped__(dev)
         finally:
-            cuda_fp4.SOURCE_FILE = shipped_file
-            cuda_fp4.source.cache_clear()
-    cuda_fp4._module = lambda index: _ALT_MODULES[(path, index)]
+            cuda_fp4.SOURCE_FILE, cuda_fp4.source = shipped_file, shipped_source
+            shipped_source.cache_clear()
+    cuda_fp4._module = lambda index: _ALT_MODULES[(spec, index)]
     cuda_fp4._occupancy.cache_clear()
     cuda_fp4._config.cache_clear()
     try:
@@ -97,6 +104,10 @@ def cuda_source(path):
         cuda_fp4._module = shipped_module
         cuda_fp4._occupancy.cache_clear()
         cuda_fp4._config.cache_clear()
+
+
+def source_label(spec: str) -> str:
+    return "cuda:" + (spec[1:] if spec.startswith("+") else Path(spec).stem)
 
 
 def run_shape(name, segments, k, rows, bandwidth, humming, mid=False, alt_source=None) -> dict:
@@ -120,14 +131,21 @@ def run_shape(name, segments, k, rows, bandwidth, humming, mid=False, alt_source
         row = {}
         kernels = [(kn, kn, None) for kn, ok in (("cuda", m <= 16), ("triton", True), ("humming", humming)) if ok]
         for source in (alt_source or []) if m <= 16 else []:
-            kernels.insert(1, (f"cuda:{Path(source).stem}", "cuda", source))
+            kernels.insert(1, (source_label(source), "cuda", source))  # after the shipped kernel
+        shipped_out = None
         for label, kernel, source in kernels:
             def call(i, kernel=kernel):
                 wp, ws, gs, a, b = ws_[i]
-                run_fp4_matmul(x, wp, ws, gs, None, a, b, 1.0, segments=seg, kernel=kernel)
+                return run_fp4_matmul(x, wp, ws, gs, None, a, b, 1.0, segments=seg, kernel=kernel)
             try:
                 with cuda_source(source):
                     row[label] = graph_us(call, copies)
+                    if kernel == "cuda":  # an experiment must give the shipped kernel's numbers
+                        out = call(0).float()
+                        if source is None:
+                            shipped_out = out
+                        elif shipped_out is not None:
+                            row[label + "_max_diff"] = (out - shipped_out).abs().max().item()
             except Exception as err:  # noqa: BLE001 - report and go on to the next kernel
                 row[label] = None
                 print(f"  {name} M={m} {label}: {type(err).__name__}: {str(err)[:160]}", flush=True)
@@ -150,8 +168,12 @@ def run_shape(name, segments, k, rows, bandwidth, humming, mid=False, alt_source
         row["bf16"] = graph_us(lambda i: torch.addmm(x @ dense[i].T, x @ xa_w[i].T, b_d[i].T), len(dense))
         result["rows"][m] = row
         ours = {kn: v for kn, v in row.items() if (kn in ("cuda", "triton", "humming", "triton_mid")
-                                                   or kn.startswith("cuda:")) and v}
+                                                   or (kn.startswith("cuda:") and not kn.endswith("_max_diff")))
+                and v}
         text = "  ".join(f"{kn} {v:6.1f}" for kn, v in ours.items())
+        diffs = {kn[:-len("_max_diff")]: v for kn, v in row.items() if kn.endswith("_max_diff")}
+        if diffs:
+            text += "  (max |diff| vs cuda: " + ", ".join(f"{kn} {v:.3g}" for kn, v in diffs.items()) + ")"
         print(f"{name:8s} M={m:3d}  {text}  bf16 {row['bf16']:6.1f}  floor {result['floor_us']:5.1f} us"
               , flush=True)
     for wp, *_ in ws_:
@@ -168,9 +190,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-humming", action="store_true")
     p.add_argument("--mid", action="store_true", help="from 17 rows also time MID_TILES (32-row Triton tiles)")
     p.add_argument("--cuda-source", default=None, type=lambda v: [f for f in v.split(",") if f],
-                   help="also time the few-row CUDA kernel built from these fp4_gemv.cu files (comma-separated; "
-                        "an earlier commit's: git show REV:qerl/quant/kernels/fp4_gemv.cu > old.cu), each as "
-                        "cuda:<file stem>")
+                   help="also time the few-row CUDA kernel built from these sources (comma-separated), each as "
+                        "cuda:<name>, with its largest difference from the shipped kernel's output: a path to an "
+                        "fp4_gemv.cu (an earlier commit's: git show REV:qerl/quant/kernels/fp4_gemv.cu > old.cu) or "
+                        "+NAME=VALUE, the shipped file with that #define (+QERL_FP4_DEEP=3)")
     p.add_argument("--out", default="results/bench/few_rows.json")
     args = p.parse_args(argv)
     from qerl.quant.kernels import humming_fp4
@@ -195,7 +218,7 @@ def main(argv=None) -> int:
         size = key.split("/")[0]
         for m, row in shape["rows"].items():
             for kn, v in row.items():
-                if isinstance(v, float):
+                if isinstance(v, float) and not kn.endswith("_max_diff"):
                     totals.setdefault((size, m, kn), 0.0)
                     totals[(size, m, kn)] += v
     print("\nper decoder layer (4 stacked calls with LoRA), us:")

@@ -75,6 +75,9 @@ def test_source_builds_for_hopper_and_ada(compiler):
             assert cuda_fp4.kernel_name(nt, s).encode() in cubin
     ada = cuda_build.compile_cubin(cuda_fp4.source(), "sm_89", compiler=compiler)  # no clusters: one-CTA kernels only
     assert cuda_fp4.kernel_name(2, 1).encode() in ada and cuda_fp4.kernel_name(1, 2).encode() not in ada
+    # the experiment kept behind #ifdef (bench.few_rows --cuda-source +QERL_FP4_DEEP=3) builds too
+    deep = cuda_build.compile_cubin("#define QERL_FP4_DEEP 3\n" + cuda_fp4.source(), "sm_90", compiler=compiler)
+    assert cuda_fp4.kernel_name(1, 1).encode() in deep
 
 
 def test_source_is_the_cu_file_with_each_marker_filled_once():

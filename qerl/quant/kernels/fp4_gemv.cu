@@ -145,6 +145,27 @@ __device__ __forceinline__ void accumulate(float (*acc)[4], const uint8_t *wp, c
     xok[nt] = nt * 8 + g < M;
     xg[nt] = x + (size_t)(xok[nt] ? nt * 8 + g : 0) * sxm;
   }
+#ifdef QERL_FP4_DEEP
+  // experiment (bench.few_rows --cuda-source +QERL_FP4_DEEP=3): the weights of QERL_FP4_DEEP chunks in flight in
+  // registers, x loaded when its chunk is computed (L1 / L2 hits, its latency under the decode)
+  Chunk<NT> w[QERL_FP4_DEEP];
+#pragma unroll
+  for (int i = 0; i < QERL_FP4_DEEP; i++)
+    if (c0 + i < c1) load_w<TILED, NT>(w[i], wg, wg8, sg, sg8, c0 + i, t);
+  grid_dep_wait();
+  grid_dep_launch();
+  for (int c = c0; c < c1; c += QERL_FP4_DEEP) {
+#pragma unroll
+    for (int i = 0; i < QERL_FP4_DEEP; i++) {
+      if (c + i < c1) {
+        load_x<NT>(w[i], xg, xok, c + i, t);
+        compute_chunk<NT>(w[i], acc);
+        if (c + i + QERL_FP4_DEEP < c1) load_w<TILED, NT>(w[i], wg, wg8, sg, sg8, c + i + QERL_FP4_DEEP, t);
+      }
+    }
+  }
+  return;
+#endif
   // the first chunk's weights are requested before waiting for the previous kernel (they are not its output:
   // with programmatic dependent launch this overlaps its end), its x after
   Chunk<NT> ca, cb;
