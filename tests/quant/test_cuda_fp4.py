@@ -190,6 +190,22 @@ def test_matches_float64_with_bias_lora_and_segments(on, rows, sizes, k):
 
 
 @gpu
+@pytest.mark.parametrize("deep", [2, 3])
+@pytest.mark.parametrize("rows", [1, 8, 13])
+def test_deep_prefetch_experiment_gives_the_shipped_bits(on, deep, rows):
+    """The experiment behind #ifdef QERL_FP4_DEEP (bench.few_rows --cuda-source +QERL_FP4_DEEP=N) runs the same
+    chunks in the same order: the same bits as the shipped kernel, segments, bias and LoRA included."""
+    from bench.few_rows import cuda_source
+
+    sizes = (3584, 512, 512)
+    (x, packed, scale, gs, bias, a, b), _ = _case(sizes, rows, k=3584)
+    shipped = run_fp4_matmul(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
+    with cuda_source(f"+QERL_FP4_DEEP={deep}"):
+        out = run_fp4_matmul(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
+    assert torch.equal(out, shipped)
+
+
+@gpu
 @pytest.mark.parametrize("rows", [6, 12])
 @pytest.mark.parametrize("config", [(1, 1), (1, 3), (1, 16), (2, 4), (4, 2), (8, 1), (8, 2)])
 def test_every_config_is_exact_and_deterministic(on, config, rows):
