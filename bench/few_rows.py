@@ -3,6 +3,7 @@
 it, against bf16 cuBLAS and the FP4 bytes' floor.
 
     python -m bench.few_rows --sizes 7B,32B --rows 1,4,8,12,16,24,32 --out results/bench/few_rows.json
+    python -m bench.few_rows --rows 1,4,8,12,16 --no-humming --cuda-source old.cu,+QERL_FP4_DEEP=3   # A/B sources
 
 Kernels: cuda (the few-row CUDA kernel, <= 16 rows, x @ A.T in the same launch), triton (+ small_matmul for
 x @ A.T), humming (humming-kernels + small_matmul + one B GEMM), each through qerl.quant.dispatch.run_fp4_matmul
