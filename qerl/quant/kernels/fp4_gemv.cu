@@ -443,7 +443,10 @@ __device__ __forceinline__ void fp4_mm_body(
   wp, ws, gs, x, sxm, out, som, bias, xa, sxa, lb, slb, lora_scale, M, N, K, N1, N2, R, la, sla, SA, xw, flags
 // NT = 1: at most 80 registers (without the cap ptxas takes 87 for the LoRA-A branch: 5 instead of 6 CTAs of 4
 // warps per SM; 80 spills nothing); NT = 2: whatever 512 threads allow.
-#define FP4_MM_BOUNDS_1 __maxnreg__(80)
+#ifndef QERL_FP4_MAXNREG  // experiments set another cap (bench.few_rows --cuda-source +QERL_FP4_MAXNREG=72)
+#define QERL_FP4_MAXNREG 80
+#endif
+#define FP4_MM_BOUNDS_1 __maxnreg__(QERL_FP4_MAXNREG)
 #define FP4_MM_BOUNDS_2 __launch_bounds__(32 * MAX_WARPS)
 #define FP4_MM_KERNEL(NT, S, ATTR)                                                                              \
   extern "C" __global__ void FP4_MM_BOUNDS_##NT ATTR fp4_mm_n##NT##_s##S(FP4_MM_ARGS) {                        \
