@@ -74,7 +74,8 @@ def _build_in_thread(op, stream, dtype: torch.dtype, rows):
 def build_copies(ops, dtype: torch.dtype, rows) -> list:
     """humming_fp4.humming_weight of each (weight_packed, weight_scale, weight_global_scale, segments), in order.
     The first weight without a copy of each distinct shape is built in its own thread, so humming's nvcc runs for
-    all shapes at once (a 7B: 4 shapes x 6 kernels, ~27 s one shape after another on a cold cache); the rest find its kernels."""
+    all shapes at once (a 7B: 4 shapes x 6 kernels, ~27 s one shape after another on a cold cache); the rest find
+    its kernels."""
     first: dict = {}
     for i, op in enumerate(ops):
         if not humming_fp4.has_copy(op[0]):  # held copies (a resident engine's next rollout) need no thread
