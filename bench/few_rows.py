@@ -3,7 +3,7 @@
 it, against bf16 cuBLAS and the FP4 bytes' floor.
 
     python -m bench.few_rows --sizes 7B,32B --rows 1,4,8,12,16,24,32 --out results/bench/few_rows.json
-    python -m bench.few_rows --rows 1,4,8,12,16 --no-humming --cuda-source old.cu,+QERL_FP4_DEEP=3   # A/B sources
+    python -m bench.few_rows --rows 1,4,8,12,16 --no-humming --cuda-source old.cu,+NAME=1   # A/B sources
 
 Kernels: cuda (the few-row CUDA kernel, <= 16 rows, x @ A.T in the same launch), triton (+ small_matmul for
 x @ A.T), humming (humming-kernels + small_matmul + one B GEMM), each through qerl.quant.dispatch.run_fp4_matmul
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
                    help="also time the few-row CUDA kernel built from these sources (comma-separated), each as "
                         "cuda:<name>, with its largest difference from the shipped kernel's output: a path to an "
                         "fp4_gemv.cu (an earlier commit's: git show REV:qerl/quant/kernels/fp4_gemv.cu > old.cu) or "
-                        "+NAME=VALUE, the shipped file with that #define (+QERL_FP4_DEEP=3)")
+                        "+NAME=VALUE, the shipped file with that #define (+NAME=1)")
     p.add_argument("--out", default="results/bench/few_rows.json")
     args = p.parse_args(argv)
     from qerl.quant.kernels import humming_fp4

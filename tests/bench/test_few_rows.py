@@ -28,13 +28,13 @@ def builds(monkeypatch):
 def test_defines_go_in_front_of_the_shipped_source_once(builds):
     seen, shipped = builds
     for _ in range(2):
-        with few_rows.cuda_source("+QERL_FP4_DEEP=3+FLAG"):
+        with few_rows.cuda_source("+QERL_EXAMPLE=3+FLAG"):
             assert cuda_fp4._module(0) == "module1"
     assert len(seen) == 1  # compiled once for both uses
     text, dev = seen[0]
-    assert dev == 0 and text == "#define QERL_FP4_DEEP 3\n#define FLAG 1\n" + cuda_fp4.source()
+    assert dev == 0 and text == "#define QERL_EXAMPLE 3\n#define FLAG 1\n" + cuda_fp4.source()
     assert cuda_fp4._module is shipped and not cuda_fp4.source().startswith("#define")
-    assert few_rows.source_label("+QERL_FP4_DEEP=3") == "cuda:QERL_FP4_DEEP=3"
+    assert few_rows.source_label("+QERL_EXAMPLE=3") == "cuda:QERL_EXAMPLE=3"
 
 
 def test_a_file_is_built_from_its_own_text(builds, tmp_path):

@@ -75,10 +75,6 @@ def test_source_builds_for_hopper_and_ada(compiler):
             assert cuda_fp4.kernel_name(nt, s).encode() in cubin
     ada = cuda_build.compile_cubin(cuda_fp4.source(), "sm_89", compiler=compiler)  # no clusters: one-CTA kernels only
     assert cuda_fp4.kernel_name(2, 1).encode() in ada and cuda_fp4.kernel_name(1, 2).encode() not in ada
-    # the experiments kept behind #ifdef (bench.few_rows --cuda-source +QERL_FP4_DEEP=3+QERL_FP4_MAXNREG=64) build
-    defines = "#define QERL_FP4_DEEP 3\n#define QERL_FP4_MAXNREG 64\n"
-    deep = cuda_build.compile_cubin(defines + cuda_fp4.source(), "sm_90", compiler=compiler)
-    assert cuda_fp4.kernel_name(1, 1).encode() in deep
 
 
 def test_source_is_the_cu_file_with_each_marker_filled_once():
@@ -188,23 +184,6 @@ def test_matches_float64_with_bias_lora_and_segments(on, rows, sizes, k):
     # x @ A.T is summed in another order than Triton's and rounded to bf16 before the (30 x randn) B: compare as a
     # whole, element bounds are against float64 above
     assert ((out.double() - triton_out.double()).norm() / triton_out.double().norm()).item() < 5e-3
-
-
-@gpu
-@pytest.mark.parametrize("spec", ["+QERL_FP4_DEEP=2", "+QERL_FP4_DEEP=3", "+QERL_FP4_DEEP=2+QERL_FP4_MAXNREG=64"])
-@pytest.mark.parametrize("rows", [1, 8, 13])
-def test_deep_prefetch_experiment_gives_the_shipped_bits(on, spec, rows):
-    """The experiment behind #ifdef QERL_FP4_DEEP (bench.few_rows --cuda-source +QERL_FP4_DEEP=N, with another
-    register cap) runs the same chunks in the same order: the same bits as the shipped kernel, segments, bias and
-    LoRA included."""
-    from bench.few_rows import cuda_source
-
-    sizes = (3584, 512, 512)
-    (x, packed, scale, gs, bias, a, b), _ = _case(sizes, rows, k=3584)
-    shipped = run_fp4_matmul(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
-    with cuda_source(spec):
-        out = run_fp4_matmul(x, packed, scale, gs, bias, a, b, 0.5, segments=list(sizes))
-    assert torch.equal(out, shipped)
 
 
 @gpu

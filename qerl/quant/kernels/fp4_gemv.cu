@@ -145,27 +145,6 @@ __device__ __forceinline__ void accumulate(float (*acc)[4], const uint8_t *wp, c
     xok[nt] = nt * 8 + g < M;
     xg[nt] = x + (size_t)(xok[nt] ? nt * 8 + g : 0) * sxm;
   }
-#ifdef QERL_FP4_DEEP
-  // experiment (bench.few_rows --cuda-source +QERL_FP4_DEEP=3): the weights of QERL_FP4_DEEP chunks in flight in
-  // registers, x loaded when its chunk is computed (L1 / L2 hits, its latency under the decode)
-  Chunk<NT> w[QERL_FP4_DEEP];
-#pragma unroll
-  for (int i = 0; i < QERL_FP4_DEEP; i++)
-    if (c0 + i < c1) load_w<TILED, NT>(w[i], wg, wg8, sg, sg8, c0 + i, t);
-  grid_dep_wait();
-  grid_dep_launch();
-  for (int c = c0; c < c1; c += QERL_FP4_DEEP) {
-#pragma unroll
-    for (int i = 0; i < QERL_FP4_DEEP; i++) {
-      if (c + i < c1) {
-        load_x<NT>(w[i], xg, xok, c + i, t);
-        compute_chunk<NT>(w[i], acc);
-        if (c + i + QERL_FP4_DEEP < c1) load_w<TILED, NT>(w[i], wg, wg8, sg, sg8, c + i + QERL_FP4_DEEP, t);
-      }
-    }
-  }
-  return;
-#endif
   // the first chunk's weights are requested before waiting for the previous kernel (they are not its output:
   // with programmatic dependent launch this overlaps its end), its x after
   Chunk<NT> ca, cb;
@@ -443,10 +422,7 @@ __device__ __forceinline__ void fp4_mm_body(
   wp, ws, gs, x, sxm, out, som, bias, xa, sxa, lb, slb, lora_scale, M, N, K, N1, N2, R, la, sla, SA, xw, flags
 // NT = 1: at most 80 registers (without the cap ptxas takes 87 for the LoRA-A branch: 5 instead of 6 CTAs of 4
 // warps per SM; 80 spills nothing); NT = 2: whatever 512 threads allow.
-#ifndef QERL_FP4_MAXNREG  // experiments set another cap (bench.few_rows --cuda-source +QERL_FP4_MAXNREG=72)
-#define QERL_FP4_MAXNREG 80
-#endif
-#define FP4_MM_BOUNDS_1 __maxnreg__(QERL_FP4_MAXNREG)
+#define FP4_MM_BOUNDS_1 __maxnreg__(80)
 #define FP4_MM_BOUNDS_2 __launch_bounds__(32 * MAX_WARPS)
 #define FP4_MM_KERNEL(NT, S, ATTR)                                                                              \
   extern "C" __global__ void FP4_MM_BOUNDS_##NT ATTR fp4_mm_n##NT##_s##S(FP4_MM_ARGS) {                        \
