@@ -205,6 +205,10 @@ def main(argv=None) -> None:
     rows = []
     for mode in args.modes.split(","):
         rows += run_mode(args, mode, train_cfg, size, bandwidth)
+        # the finished mode's engine, graphs and model sit in reference cycles: collected here, after run_mode's
+        # locals are gone, or the next mode's KV pool is sized without their memory
+        gc.collect()
+        torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), experiment=args.experiment, size=size, compile=args.compile,
                   copy_GBps=bandwidth / 1e9, prompt_len=args.prompt_len, tokens=args.tokens, rows=rows)
     table = markdown(result)
