@@ -65,11 +65,10 @@ __device__ __forceinline__ void grid_dep_launch() {  // the next kernel may star
 }
 
 // chunk c (128 weights per row) of rows g and g + 8 for lane (g, t): 16 B of each row and its two group scales.
-// TILED: W re-laid out as [N / 16][K / 128][16 rows][64 B] (a prototype's layout; the kernels below use false).
-template <bool TILED, int NT>
+template <int NT>
 __device__ __forceinline__ void load_w(Chunk<NT> &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
                                        const uint8_t *sg8, int c, int t) {
-  const int kb = TILED ? c * 1024 + 16 * t : c * 64 + 16 * t;
+  const int kb = c * 64 + 16 * t;
   ch.wa = ldg_w(wg + kb);
   ch.wb = ldg_w(wg8 + kb);
   const int gi = c * 8 + 2 * t;
@@ -94,11 +93,11 @@ __device__ __forceinline__ void load_x(Chunk<NT> &ch, const __nv_bfloat16 *const
   }
 }
 
-template <bool TILED, int NT>
+template <int NT>
 __device__ __forceinline__ void load_chunk(Chunk<NT> &ch, const uint8_t *wg, const uint8_t *wg8, const uint8_t *sg,
                                            const uint8_t *sg8, const __nv_bfloat16 *const *xg, const bool *xok,
                                            int c, int t) {
-  load_w<TILED, NT>(ch, wg, wg8, sg, sg8, c, t);
+  load_w<NT>(ch, wg, wg8, sg, sg8, c, t);
   load_x<NT>(ch, xg, xok, c, t);
 }
 
@@ -128,15 +127,14 @@ __device__ __forceinline__ void compute_chunk(const Chunk<NT> &ch, float (*acc)[
 // the warp's 16 x (8 NT) fp32 tile over chunks [c0, c1): rows r0 + g and r0 + g + 8 (rows past N read row N - 1,
 // never stored), x rows nt * 8 + g < M (zeros past M). Fragment acc[nt]: [0], [1] = (row r0 + g, m = 8 nt + 2t,
 // 2t + 1); [2], [3] = (row r0 + g + 8, same m). The next chunk's loads are in flight while one is computed.
-template <bool TILED, int NT>
+template <int NT>
 __device__ __forceinline__ void accumulate(float (*acc)[4], const uint8_t *wp, const uint8_t *ws,
                                            const __nv_bfloat16 *x, int sxm, int M, int N, int K, int rb, int c0,
                                            int c1) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r0 = rb * 16;
   const int kh = K / 2, kg = K / 16;
   const int rg = min(r0 + g, N - 1), rg8 = min(r0 + g + 8, N - 1);
-  const uint8_t *wg = TILED ? wp + (size_t)rb * 16 * kh + g * 64 : wp + (size_t)rg * kh;
-  const uint8_t *wg8 = TILED ? wg + 8 * 64 : wp + (size_t)rg8 * kh;
+  const uint8_t *wg = wp + (size_t)rg * kh, *wg8 = wp + (size_t)rg8 * kh;
   const uint8_t *sg = ws + (size_t)rg * kg, *sg8 = ws + (size_t)rg8 * kg;
   bool xok[NT];
   const __nv_bfloat16 *xg[NT];
@@ -148,15 +146,15 @@ __device__ __forceinline__ void accumulate(float (*acc)[4], const uint8_t *wp, c
   // the first chunk's weights are requested before waiting for the previous kernel (they are not its output:
   // with programmatic dependent launch this overlaps its end), its x after
   Chunk<NT> ca, cb;
-  if (c0 < c1) load_w<TILED, NT>(ca, wg, wg8, sg, sg8, c0, t);
+  if (c0 < c1) load_w<NT>(ca, wg, wg8, sg, sg8, c0, t);
   grid_dep_wait();
   grid_dep_launch();
   if (c0 < c1) load_x<NT>(ca, xg, xok, c0, t);
   for (int c = c0; c < c1; c += 2) {
-    if (c + 1 < c1) load_chunk<TILED, NT>(cb, wg, wg8, sg, sg8, xg, xok, c + 1, t);
+    if (c + 1 < c1) load_chunk<NT>(cb, wg, wg8, sg, sg8, xg, xok, c + 1, t);
     compute_chunk<NT>(ca, acc);
     if (c + 1 < c1) {
-      if (c + 2 < c1) load_chunk<TILED, NT>(ca, wg, wg8, sg, sg8, xg, xok, c + 2, t);
+      if (c + 2 < c1) load_chunk<NT>(ca, wg, wg8, sg, sg8, xg, xok, c + 2, t);
       compute_chunk<NT>(cb, acc);
     }
   }
@@ -320,7 +318,7 @@ __device__ __forceinline__ void fp4_mm_body(
     grid_dep_wait();  // x is the previous kernel's output
     accumulate_bf16<NT>(acc, la, sla, x, sxm, M, RA, r0, lo + n * p / P, lo + n * (p + 1) / P);
   } else
-    accumulate<false, NT>(acc, wp, ws, x, sxm, M, N, K, rb, C * p / P, C * (p + 1) / P);
+    accumulate<NT>(acc, wp, ws, x, sxm, M, N, K, rb, C * p / P, C * (p + 1) / P);
   const bool finish = !a_block && rank == 0;  // this CTA stores the block
   const bool fused = la && finish;
   const int seg = (r0 >= N1) + (r0 >= N2);  // segment bounds are multiples of 16
