@@ -15,8 +15,10 @@ An experiment's weights: its quantize stage's output (results/<experiment>/quant
 model when that is a local directory or in the HF cache (BF16 and NF4 rows), else random weights of the real
 Qwen2.5 shapes (sizes 3B, 7B, 14B, 32B; `tiny` for CPU tests). Random weights never sample EOS: rows end at
 lengths drawn from a log-normal (median --median, sigma --sigma, capped at --max-completion), the same draws for
-every method; bench.table3_worker says how. Rollouts run on the torch engine (static KV cache, CUDA graphs);
---compile off by default (eager decode steps inside the graphs), the same for every method.
+every method; bench.table3_worker says how. Rollouts (and the GRPO steps' rollouts) run on --engine: paged (the
+default, what the recipes train with: paged KV cache, continuous batching, captured decode buckets) or torch (a
+static KV cache and one CUDA graph per batch, the engine of the tables before the paged one); --compile auto (the
+default: each decoder layer torch.compile'd, as a training run does) or off, the same for every method.
 --jobs N runs N experiments at once (each its own process; set-up side by side, every timed part alone on the GPU
 through bench.gpu_lock). Parts missing after such a pass (two 14B workers do not fit one 80 GB card), or after a
 worker died, are measured once more, alone, in a fresh process, and merged into the JSON (`retried_alone` names them).
@@ -39,6 +41,8 @@ from bench.table3_worker import LOST, METHODS, measure, part_names
 from qerl.errors import QerlError
 from bench.common import add_workload_args, ints
 
+ENGINES = {"paged": "paged (paged KV cache, continuous batching, CUDA-graph decode buckets)",
+           "torch": "torch (static KV cache, CUDA graphs)"}
 MODE_METHODS = {"lora": "lora", "qlora_nf4": "qlora", "qlora_fp4": "qerl"}  # train.mode -> Table 3 method
 
 
@@ -61,7 +65,8 @@ def _parse(argv=None) -> argparse.Namespace:
     add_workload_args(p, prompt_len=256, micro_batch=8, lora_help="LoRA rank (alpha = 2 r); an experiment's own wins")
     p.add_argument("--max-completion", type=int, default=2048, help="completion cap (max_tokens)")
     p.add_argument("--steps", type=int, default=2, help="timed GRPO steps per batch, after the warm-up")
-    p.add_argument("--compile", choices=["auto", "off"], default="off", help="torch.compile of the decode step")
+    p.add_argument("--engine", choices=sorted(ENGINES), default="paged", help="the rollout engine (module doc)")
+    p.add_argument("--compile", choices=["auto", "off"], default="auto", help="torch.compile of the decode step")
     p.add_argument("--jobs", type=int, default=1, help="experiments measured at once (processes)")
     p.add_argument("--budget-s", type=float, default=None, help="workers still running then are stopped")
     p.add_argument("--in-process", action="store_true", help="no worker processes (CPU tests)")
@@ -155,7 +160,7 @@ def protocol(args) -> dict:
     """The measurement's settings, stored in every JSON (the table's caption reads them)."""
     return {"prompt_len": args.prompt_len, "max_completion_length": args.max_completion, "num_generations": args.group,
             "micro_batch_size": args.micro_batch, "rollout_batches": args.rollout_batches,
-            "e2e_batches": args.e2e_batches, "timed_steps": args.steps, "engine": "torch (static KV cache, CUDA graphs)",
+            "e2e_batches": args.e2e_batches, "timed_steps": args.steps, "engine": ENGINES[args.engine],
             "compile": args.compile, "lengths": {
                 "law": "log-normal", "median": args.median, "sigma": args.sigma, "cap": args.max_completion,
                 "why": "random weights never sample EOS: each row ends at its drawn length, as if it sampled EOS "
@@ -185,7 +190,7 @@ def _run_one(spec: dict, args) -> dict:
 def _worker_argv(args, spec: dict, lock: Path) -> list[str]:
     argv = [sys.executable, "-m", "bench.table3", "--worker-spec", json.dumps(spec), "--gpu-lock", str(lock)]
     for key in ("tokenizer", "device", "group", "prompt_len", "max_completion", "median", "sigma", "steps",
-                "micro_batch", "lora_r", "compile", "seed"):
+                "micro_batch", "lora_r", "engine", "compile", "seed"):
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     for key in ("rollout_batches", "e2e_batches"):
         argv += [f"--{key.replace('_', '-')}", ",".join(map(str, getattr(args, key)))]

@@ -44,18 +44,32 @@ def draw_lengths(rows: int, median: float, sigma: float, cap: int, seed: tuple[i
     return np.clip(np.round(median * np.exp(sigma * z)), 1, cap).astype(int).tolist()
 
 
+WARMUP_TOKENS = 48  # a paged warm-up's longest row: enough steps to meet every decode bucket (bench.paged)
+
+
 class ForcedLengths:
-    """Rows of a TorchEngine that end at drawn lengths, as if each had sampled EOS there. The engine's own generate
-    is replaced on the instance, so every path to it (the trainer's policy_rollout included) is forced; a call
-    keeps max_tokens (its CUDA-graph key and KV bucket stay those of the cap) and stops after the longest drawn
-    row, as a static batch does when its last row sees EOS; each row is then cut to its length (finish reason
-    "stop"). warm_up calls (their own early stop set) pass through unforced and draw nothing."""
+    """Rows of a rollout engine that end at drawn lengths, as if each had sampled EOS there. The engine's own
+    generate is replaced on the instance, so every path to it (the trainer's policy_rollout included) is forced.
+
+    TorchEngine: a call keeps max_tokens (its CUDA-graph key and KV bucket stay those of the cap) and stops after
+    the longest drawn row, as a static batch does when its last row sees EOS; each row is then cut to its length
+    (finish reason "stop"). warm_up calls (their own early stop set) pass through unforced and draw nothing.
+    PagedEngine: each row finishes ("stop") at its length inside the engine, so finished rows leave the batch as
+    they would with EOS (bench.paged.ForcedLengthEngine's rule); its warm_up (added here: the paged engine has
+    none) runs rows that end after 1..WARMUP_TOKENS tokens, falling geometrically, so that every decode bucket
+    is compiled and captured before a timed call."""
 
     def __init__(self, engine, median: float, sigma: float, cap: int, seed: int):
         self.engine, self.median, self.sigma, self.cap, self.seed = engine, median, sigma, cap, seed
         self.calls: dict[int, int] = {}  # rows -> calls so far: the k-th call of a width draws the same everywhere
+        self.paged = hasattr(engine, "_finish_reasons")
+        self.row_lengths: list[int] | None = None  # a paged call's lengths, by row
         self._generate = engine.generate
         engine.generate = self.generate
+        if self.paged:
+            self._finish = engine._finish_reasons
+            engine._finish_reasons = self._finish_reasons
+            engine.warm_up = self.warm_up
 
     def lengths(self, rows: int) -> list[int]:
         k = self.calls.get(rows, 0)
@@ -65,6 +79,8 @@ class ForcedLengths:
     def generate(self, prompt_ids, n: int = 1, sampling=None):
         from qerl.rollout import RolloutOutput
 
+        if self.paged:
+            return self._paged(prompt_ids, n, sampling, self.lengths(len(prompt_ids) * n))
         if self.engine._stop_after is not None:  # a warm_up call
             return self._generate(prompt_ids, n=n, sampling=sampling)
         lengths = self.lengths(len(prompt_ids) * n)
@@ -77,6 +93,33 @@ class ForcedLengths:
                              completion_ids=[ids[:k] for ids, k in zip(out.completion_ids, lengths)],
                              logprobs=[lps[:k] for lps, k in zip(out.logprobs, lengths)],
                              finish_reasons=["stop"] * len(lengths))
+
+    def _paged(self, prompt_ids, n, sampling, lengths):
+        self.row_lengths = lengths
+        try:
+            return self._generate(prompt_ids, n=n, sampling=sampling)
+        finally:
+            self.row_lengths = None
+
+    def _finish_reasons(self, seqs, tokens, sampling):
+        reasons = self._finish(seqs, tokens, sampling)
+        return ["stop" if r is None and len(s.output) + 1 >= self.row_lengths[s.row] else r
+                for s, r in zip(seqs, reasons)]
+
+    def warm_up(self, prompt_ids, n: int = 1, sampling=None) -> dict:
+        """The paged engine's warm-up: its buckets compiled and captured, no length drawn; returns what it did."""
+        from bench.paged import warmup_lengths
+
+        rows = len(prompt_ids) * n
+        out = self._paged(prompt_ids, n, sampling, warmup_lengths(rows, min(WARMUP_TOKENS, self.cap)))
+        return {k: v for k, v in out.stats.items() if isinstance(v, (int, float))}
+
+
+def captures(engine, stats_of_call: dict | None = None) -> int:
+    """CUDA graphs captured: TorchEngine counts over its life (`stats`), PagedEngine per call (its output's)."""
+    if stats_of_call is not None:
+        return int(stats_of_call.get("graph_captures", 0))
+    return int(engine.stats.get("graph_captures", 0))
 
 
 def state_dict_bytes(model) -> int:
@@ -136,7 +179,8 @@ def make_trainer(model, tokenizer, prompts, spec: dict, args, lora_r: int, batch
                       rewards=["bench.e2e_workers:_random_reward"], num_generations=args.group, batch_size=batch,
                       micro_batch_size=args.micro_batch, max_steps=1000, max_completion_length=args.max_completion,
                       gradient_checkpointing=True, aqn=None, lora={"lora_r": lora_r, "lora_alpha": 2 * lora_r},
-                      seed=args.seed)
+                      rollout={"engine": getattr(args, "engine", "torch"),
+                               "compile": "auto" if args.compile == "auto" else False}, seed=args.seed)
     return GRPOTrainer(cfg, model, tokenizer, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
                        checkpoint_dir=tempfile.mkdtemp(prefix="qerl-table3-"))
 
@@ -150,7 +194,7 @@ def _rollout(engine, tokenizer, rows: int, args, lock: GpuLock) -> dict:
     with lock.shared():
         warm = engine.warm_up(prompts, n=1, sampling=sampling)
         sync()
-    captures = engine.stats["graph_captures"]
+    before = captures(engine)
     with lock.exclusive():
         sync()
         start = time.perf_counter()
@@ -158,9 +202,18 @@ def _rollout(engine, tokenizer, rows: int, args, lock: GpuLock) -> dict:
         sync()
         seconds = time.perf_counter() - start
     lengths = [len(c) for c in out.completion_ids]
+    timed = _captured(engine, before)
     return {"rows": rows, "tokens": sum(lengths), "seconds": seconds, "tokens_per_s": sum(lengths) / seconds,
-            "decode_steps": max(lengths), "lengths": lengths, "warm_up": warm,
-            "captures_while_timed": engine.stats["graph_captures"] - captures}
+            "decode_steps": max(lengths), "lengths": lengths, "warm_up": warm, "captures_while_timed": timed}
+
+
+def paged(engine) -> bool:
+    return hasattr(engine, "_finish_reasons")
+
+
+def _captured(engine, before: int) -> int:
+    """Graphs captured by the engine's last call (paged: its stats are that call's) or since `before` (torch)."""
+    return captures(engine) if paged(engine) else captures(engine) - before
 
 
 def _e2e(trainer, batch: int, args, lock: GpuLock, first_step: int) -> dict:
@@ -175,7 +228,7 @@ def _e2e(trainer, batch: int, args, lock: GpuLock, first_step: int) -> dict:
         sync()
     steps = []
     for step in range(first_step, first_step + args.steps):
-        captures = trainer.engine.stats["graph_captures"]
+        before = captures(trainer.engine)
         with lock.exclusive():
             sync()
             start = time.perf_counter()
@@ -187,7 +240,7 @@ def _e2e(trainer, batch: int, args, lock: GpuLock, first_step: int) -> dict:
         steps.append({"step_seconds": seconds, "rollout_seconds": data.metrics["timing/rollout"],
                       "update_seconds": metrics["timing/update"], "rows": data.input_ids.shape[0],
                       "rollout_tokens": data.metrics["rollout_tokens"], "completion_len": data.completion_len,
-                      "loss": metrics["loss"], "captures_while_timed": trainer.engine.stats["graph_captures"] - captures})
+                      "loss": metrics["loss"], "captures_while_timed": _captured(trainer.engine, before)})
     return {"prompts": batch, "rows": batch * cfg.num_generations, "warm_up": warm, "steps": steps,
             "step_seconds": statistics.mean(s["step_seconds"] for s in steps)}
 
@@ -248,7 +301,7 @@ def measure(spec: dict, args, on_part=None, previous: dict | None = None) -> dic
         prompts = random_prompts(tokenizer, max([*args.e2e_batches, 1]) * 4, args.prompt_len, args.seed)
         trainer = make_trainer(model, tokenizer, prompts, spec, args, lora_r, max([*args.e2e_batches, 1]))
     engine = trainer.engine
-    if args.compile == "off":
+    if args.compile == "off" and not paged(engine):
         engine.use_compile = False
     ForcedLengths(engine, args.median, args.sigma, args.max_completion, args.seed)
     on_part(result)
@@ -264,7 +317,9 @@ def measure(spec: dict, args, on_part=None, previous: dict | None = None) -> dic
             result["e2e_step_seconds"][str(batch)] = round(part["step_seconds"], 3)
         _guard(result, *part_names([], [batch]), e2e)
         on_part(result)
-    result.update(compile=engine.use_compile, cuda_graph=engine.use_cuda_graph,
+    result.update(engine="paged" if paged(engine) else "torch",
+                  compile=engine.compile if paged(engine) else engine.use_compile,
+                  cuda_graph=engine.device.type == "cuda" if paged(engine) else engine.use_cuda_graph,
                   gpu_lock_wait_s=round(lock.waited_s, 1), wall_seconds=round(time.perf_counter() - start, 1))
     if not result.get(LOST):
         engine.close()

@@ -82,6 +82,23 @@ def test_speedups_need_one_device(tmp_path):
     assert tables._speedup(base, {"device": "A"}, 2) == (None, tables.MISSING)
 
 
+def test_the_paged_engine_ends_rows_at_their_lengths_and_the_torch_engine_still_runs(runs, tokenizer_dir,
+                                                                                    tmp_path):
+    """The default engine is the recipes' paged one (rows leave the batch at their drawn lengths, its warm-up
+    captures what the timed call replays); --engine torch measures on the static engine with the same draws."""
+    docs, _ = runs
+    paged = docs["qerl"]
+    assert paged["engine"] == "paged" and paged["protocol"]["engine"].startswith("paged")
+    assert paged["rollout"]["2"]["warm_up"]["steps"] > 0  # the warm-up ran through the engine
+    assert paged["e2e"]["1"]["steps"][0]["captures_while_timed"] == 0  # CPU: nothing to capture
+    out = tmp_path / "torch.json"
+    assert table3.main(["--size", "tiny", "--method", "qerl", "--out", str(out), "--tokenizer", str(tokenizer_dir),
+                        *TINY, "--engine", "torch", "--compile", "off", "--e2e-batches", ""]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["engine"] == "torch" and doc["protocol"]["engine"].startswith("torch") and doc["compile"] is False
+    assert doc["rollout"]["2"]["lengths"] == paged["rollout"]["2"]["lengths"]  # the same draw on either engine
+
+
 def test_forced_lengths_cut_rows_and_stop_after_the_longest():
     from qerl.rollout import RolloutOutput
 
