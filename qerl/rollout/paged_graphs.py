@@ -203,11 +203,19 @@ class DecodeGraphs:
     def _capture(self, size: int) -> None:
         """Capture the step (which records without running it), then replay it once for this step's outputs."""
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self.mempool):
                 self._body(size)
         except Exception as exc:  # noqa: BLE001 - any capture failure: decode eagerly from now on
+            # a capture that fails in capture_end leaves torch's current stream at its capture stream and its memory
+            # pool recording: the next capture into that pool failed with "already recording to mempool_id", so
+            # the retry below fell back to eager decoding for good (H200, FP4 7B at 256 rows: 120 ms eager steps)
+            torch.cuda.set_stream(stream)
+            self.mempool = torch.cuda.graph_pool_handle()
             if self.eager_runs.get(size, 0) == 0:  # captured without this object's warm-up: warm up, capture next
+                log.info("rollout: capturing the %d-row step before running it here failed (%s: %s); running it "
+                         "eagerly, capturing it next time", size, type(exc).__name__, str(exc)[:200])
                 _WARMED.discard((self.warm_key, size))
                 self._eager(size)
                 return

@@ -1,0 +1,84 @@
+"""DecodeGraphs' capture fallbacks, on the CPU with torch.cuda's graph API replaced by fakes that fail the way a
+real capture does (capture_end raising leaves the capture stream current and the pool recording)."""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+
+from qerl.rollout import paged_graphs
+from qerl.rollout.paged_graphs import DecodeGraphs
+
+
+class FakeCuda:
+    """torch.cuda's graph calls: the first capture into each pool listed in `fail` raises at its end and leaves
+    that pool recording and the capture stream current; a capture into a recording pool raises at its start, as
+    beginAllocateToPool does."""
+
+    def __init__(self, fail: int):
+        self.fail, self.pools, self.recording, self.stream, self.captured = fail, 0, set(), "engine", []
+
+    def graph_pool_handle(self):
+        self.pools += 1
+        return (0, self.pools)
+
+    @contextlib.contextmanager
+    def graph(self, graph, pool=None):
+        if pool in self.recording:
+            raise RuntimeError(f"beginAllocateToPool: already recording to mempool_id {pool}")
+        previous, self.stream = self.stream, "capture"
+        self.recording.add(pool)
+        yield
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("operation not permitted when stream is capturing")  # the stream stays "capture"
+        self.recording.discard(pool)
+        self.stream = previous
+        self.captured.append(pool)
+
+    def current_stream(self):
+        return self.stream
+
+    def set_stream(self, stream):
+        self.stream = stream
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    def install(fail):
+        cuda = FakeCuda(fail)
+        for name in ("graph_pool_handle", "graph", "current_stream", "set_stream"):
+            monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: None))
+        graphs = types.SimpleNamespace(mempool=cuda.graph_pool_handle(), eager_runs={}, warm_key="k", graphs={},
+                                       capture_ok=True, stats={"graph_captures": 0, "graph_replays": 0},
+                                       bodies=[], eager_sizes=[])
+        graphs._body = lambda size: graphs.bodies.append(size)
+
+        def eager(size):
+            graphs.eager_runs[size] = graphs.eager_runs.get(size, 0) + 1
+            graphs.eager_sizes.append(size)
+        graphs._eager = eager
+        return cuda, graphs
+    return install
+
+
+def test_a_capture_before_warm_up_that_fails_is_warmed_up_and_captured_next_time(fake):
+    cuda, graphs = fake(fail=1)
+    paged_graphs._WARMED.add(("k", 256))  # warmed by an earlier graphs object: captured at its first step
+    DecodeGraphs._capture(graphs, 256)
+    assert graphs.eager_sizes == [256] and 256 not in graphs.graphs and ("k", 256) not in paged_graphs._WARMED
+    assert cuda.stream == "engine"  # the capture stream left behind by the failed capture is not current any more
+    DecodeGraphs._capture(graphs, 256)  # the pool of the failed capture is still recording: a fresh one is used
+    assert 256 in graphs.graphs and graphs.capture_ok and graphs.stats["graph_captures"] == 1
+    assert cuda.captured == [graphs.mempool] and graphs.mempool != (0, 1)
+
+
+def test_a_capture_that_fails_after_warm_up_decodes_eagerly_from_then_on(fake):
+    cuda, graphs = fake(fail=2)
+    graphs.eager_runs[64] = 1  # warmed up here: a failure now is the capture's own
+    with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
+        DecodeGraphs._capture(graphs, 64)
+    assert not graphs.capture_ok and graphs.eager_sizes == [64] and cuda.stream == "engine"
