@@ -203,6 +203,8 @@ def _rollout(engine, tokenizer, rows: int, args, lock: GpuLock) -> dict:
         seconds = time.perf_counter() - start
     lengths = [len(c) for c in out.completion_ids]
     timed = _captured(engine, before)
+    if paged(engine):  # its pool (a share of the free memory, kept by the engine) goes back to the other workers
+        engine.sleep()
     return {"rows": rows, "tokens": sum(lengths), "seconds": seconds, "tokens_per_s": sum(lengths) / seconds,
             "decode_steps": max(lengths), "lengths": lengths, "warm_up": warm, "captures_while_timed": timed}
 
