@@ -8,7 +8,8 @@ A step of B rows runs the smallest bucket (1, 2, 4, ..., 256, 384, 512, ...) >= 
 position 0 into slot 0 of the null block and attend over it alone (length 1), and their outputs are ignored. One
 step = packed forward over [1, bucket] tokens (attention through the Triton paged kernel) + sample_tokens into a
 static output buffer, so the sampled token and its log-prob never leave the graph. The first step of a bucket runs
-eagerly (Triton compilation, lazy library workspaces), the second captures it; all buckets share one memory pool.
+eagerly (Triton compilation, lazy library workspaces), the second captures it; all buckets share one memory pool
+(after a failed capture, a fresh one).
 A bucket already run eagerly in this process under the same `warm_key` (the key less the pool: the engine's next
 rollout, after the update took the pool's memory) is captured at its first step.
 A captured graph reads the weights, the KV pool and the buffers by address: in-place weight updates between calls
