@@ -215,8 +215,8 @@ class DecodeGraphs:
             torch.cuda.set_stream(stream)
             self.mempool = torch.cuda.graph_pool_handle()
             if self.eager_runs.get(size, 0) == 0:  # captured without this object's warm-up: warm up, capture next
-                log.info("rollout: capturing the %d-row step before running it here failed (%s: %s); running it "
-                         "eagerly, capturing it next time", size, type(exc).__name__, str(exc)[:200])
+                log.warning("rollout: capturing the %d-row step before running it here failed (%s: %s); running it "
+                            "eagerly, capturing it next time", size, type(exc).__name__, str(exc)[:200])
                 _WARMED.discard((self.warm_key, size))
                 self._eager(size)
                 return

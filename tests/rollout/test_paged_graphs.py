@@ -65,10 +65,11 @@ def fake(monkeypatch):
     return install
 
 
-def test_a_capture_before_warm_up_that_fails_is_warmed_up_and_captured_next_time(fake):
+def test_a_capture_before_warm_up_that_fails_is_warmed_up_and_captured_next_time(fake, caplog):
     cuda, graphs = fake(fail=1)
     paged_graphs._WARMED.add(("k", 256))  # warmed by an earlier graphs object: captured at its first step
     DecodeGraphs._capture(graphs, 256)
+    assert "operation not permitted when stream is capturing" in caplog.text  # the cause, said once
     assert graphs.eager_sizes == [256] and 256 not in graphs.graphs and ("k", 256) not in paged_graphs._WARMED
     assert cuda.stream == "engine"  # the capture stream left behind by the failed capture is not current any more
     DecodeGraphs._capture(graphs, 256)  # the pool of the failed capture is still recording: a fresh one is used
