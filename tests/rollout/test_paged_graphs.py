@@ -83,3 +83,33 @@ def test_a_capture_that_fails_after_warm_up_decodes_eagerly_from_then_on(fake):
     with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
         DecodeGraphs._capture(graphs, 64)
     assert not graphs.capture_ok and graphs.eager_sizes == [64] and cuda.stream == "engine"
+
+
+@pytest.mark.gpu
+def test_gpu_a_capture_that_fails_in_capture_end_is_retried_and_the_rows_stay_the_same(monkeypatch):
+    """The real API: after sleep() the next call captures each warmed bucket at its first step; the first capture
+    is made to fail (a device sync while capturing invalidates it, capture_end raises). The bucket runs eagerly,
+    is captured at its next step, and the call decodes the rows of the first."""
+    from qerl.rollout import SamplingParams
+    from qerl.rollout.paged_engine import PagedEngine
+    from tests.rollout.conftest import random_fp4_lora
+
+    model, tok, prompts = random_fp4_lora()
+    engine = PagedEngine(model, tok, block_size=16, num_blocks=128, eos_token_ids=(), compile=False)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    first = engine.generate(prompts, 2, params)
+    engine.sleep()
+    body, failed = DecodeGraphs._body, []
+
+    def failing_body(self, size):
+        if torch.cuda.is_current_stream_capturing() and not failed:
+            failed.append(size)
+            torch.cuda.synchronize()  # not permitted while capturing
+        return body(self, size)
+
+    monkeypatch.setattr(DecodeGraphs, "_body", failing_body)
+    second = engine.generate(prompts, 2, params)
+    assert failed and second.stats["graph_eager_steps"] >= 1 and second.stats["graph_captures"] >= 1
+    assert second.completion_ids == first.completion_ids
+    third = engine.generate(prompts, 2, params)  # later captures and replays of this call work too
+    assert third.completion_ids == first.completion_ids and third.stats["graph_eager_steps"] == 0
