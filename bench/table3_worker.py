@@ -62,7 +62,7 @@ class ForcedLengths:
     def __init__(self, engine, median: float, sigma: float, cap: int, seed: int):
         self.engine, self.median, self.sigma, self.cap, self.seed = engine, median, sigma, cap, seed
         self.calls: dict[int, int] = {}  # rows -> calls so far: the k-th call of a width draws the same everywhere
-        self.paged = hasattr(engine, "_finish_reasons")
+        self.paged = paged(engine)
         self.row_lengths: list[int] | None = None  # a paged call's lengths, by row
         self._generate = engine.generate
         engine.generate = self.generate
@@ -115,10 +115,8 @@ class ForcedLengths:
         return {k: v for k, v in out.stats.items() if isinstance(v, (int, float))}
 
 
-def captures(engine, stats_of_call: dict | None = None) -> int:
-    """CUDA graphs captured: TorchEngine counts over its life (`stats`), PagedEngine per call (its output's)."""
-    if stats_of_call is not None:
-        return int(stats_of_call.get("graph_captures", 0))
+def captures(engine) -> int:
+    """CUDA graphs captured: TorchEngine counts over its life, PagedEngine's `stats` are its last call's."""
     return int(engine.stats.get("graph_captures", 0))
 
 
@@ -210,7 +208,9 @@ def _rollout(engine, tokenizer, rows: int, args, lock: GpuLock) -> dict:
 
 
 def paged(engine) -> bool:
-    return hasattr(engine, "_finish_reasons")
+    from qerl.rollout.paged_engine import PagedEngine
+
+    return isinstance(engine, PagedEngine)
 
 
 def _captured(engine, before: int) -> int:
