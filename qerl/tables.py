@@ -235,10 +235,15 @@ def _speedup(base: dict | None, bench: dict | None, batch: int) -> tuple[float |
     t_base, t = (_bench_value(x, "e2e_step_seconds", batch) for x in (base, bench))
     if not t:
         return None, MISSING
-    if not t_base or base.get("device") != bench.get("device"):  # a ratio across devices measures the devices
-        return None, f"- ({t:.1f} s)"
+    if not t_base or base.get("device") != bench.get("device") or _engine(base) != _engine(bench):
+        return None, f"- ({t:.1f} s)"  # a ratio across devices or rollout engines measures those
     ratio = t_base / t  # the cell formats the ratio itself: rounding twice turned 0.5950 into "x0.59"
     return round(ratio, 3), f"x{ratio:.2f} ({t:.1f} s)"
+
+
+def _engine(bench: dict) -> str:
+    """The rollout engine a bench JSON was measured on (JSONs from before bench.table3 --engine: the static one)."""
+    return str(bench.get("protocol", {}).get("engine", "torch (static KV cache, CUDA graphs)"))
 
 
 def _table3_caption(benches: list[dict]) -> str:
@@ -247,7 +252,9 @@ def _table3_caption(benches: list[dict]) -> str:
         return f"No measurement yet (`python -m bench.table3`): ours read \"{MISSING}\".\n\n"
     devices = sorted({str(b.get("device", "unknown device")) for b in benches})
     laws = sorted({json.dumps(b.get("protocol", {}).get("lengths", {}), sort_keys=True) for b in benches})
-    text = f"Ours: measured on {', '.join(devices)} (`python -m bench.table3`)."
+    engines = sorted({_engine(b) for b in benches})
+    text = (f"Ours: measured on {', '.join(devices)} (`python -m bench.table3`), rollout engine "
+            f"{' / '.join(engines)}.")
     if any(str(b.get("weights", "")).startswith("random") for b in benches):
         text += (" Rows marked random ran random weights of the real Qwen2.5 shapes: speed does not depend on "
                  "the values.")

@@ -70,16 +70,20 @@ def test_tables_render_the_bench_json(runs, tmp_path):
     md = written["table3.md"].read_text()
     assert "| Qwen2.5-7B-Instruct | QeRL | NVFP4 |" in md and "x2.00 (1.0 s)" in md and "x1.00 (4.0 s)" in md
     assert "random weights of the real Qwen2.5 shapes" in md and "median 3" in md and "cpu x" in md
+    assert "rollout engine paged (paged KV cache" in md  # the engine the figures came from
     lines = written["table3.csv"].read_text().splitlines()
     assert any(line.startswith("table3,7B,qlora,e2e_speedup,2,ok,2.0") for line in lines)
 
 
-def test_speedups_need_one_device(tmp_path):
+def test_speedups_need_one_device_and_one_engine(tmp_path):
     base = {"device": "A", "e2e_step_seconds": {"2": 2.0}}
     other = {"device": "B", "e2e_step_seconds": {"2": 1.0}}
     assert tables._speedup(base, other, 2) == (None, "- (1.0 s)")
     assert tables._speedup(base, {**other, "device": "A"}, 2) == (2.0, "x2.00 (1.0 s)")
     assert tables._speedup(base, {"device": "A"}, 2) == (None, tables.MISSING)
+    paged = {"protocol": {"engine": table3.ENGINES["paged"]}}  # nor across rollout engines (older JSONs: torch)
+    assert tables._speedup(base, {**other, "device": "A", **paged}, 2) == (None, "- (1.0 s)")
+    assert tables._speedup({**base, **paged}, {**other, "device": "A", **paged}, 2) == (2.0, "x2.00 (1.0 s)")
 
 
 def test_the_paged_engine_ends_rows_at_their_lengths_and_the_torch_engine_still_runs(runs, tokenizer_dir,
