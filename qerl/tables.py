@@ -17,8 +17,8 @@ ours is the mean of the four benchmarks with a normal interval from their (indep
 
 bench json (Table 3, written by `python -m bench.table3`; every key optional): {"model_size_gb": float (decimal GB),
 "rollout_tokens_per_s": {"2": float, "8": float}, "e2e_step_seconds": {"2": float, "4": float, "8": float},
-"device": str, "weights": str, "protocol": {..., "lengths": {"law", "median", "sigma", "cap"}}}; our speedup =
-BF16-LoRA step time / this step time, given only when both were measured on the same device.
+"device": str, "weights": str, "protocol": {"engine": str, "lengths": {"law", "median", "sigma", "cap"}, ...}}; our
+speedup = BF16-LoRA step time / this step time, given only when both ran on the same device and rollout engine.
 """
 from __future__ import annotations
 
@@ -241,9 +241,8 @@ def _speedup(base: dict | None, bench: dict | None, batch: int) -> tuple[float |
     return round(ratio, 3), f"x{ratio:.2f} ({t:.1f} s)"
 
 
-def _engine(bench: dict) -> str:
-    """The rollout engine a bench JSON was measured on (JSONs from before bench.table3 --engine: the static one)."""
-    return str(bench.get("protocol", {}).get("engine", "torch (static KV cache, CUDA graphs)"))
+def _engine(bench: dict) -> str | None:  # the rollout engine a bench JSON was measured on (bench.table3 --engine)
+    return bench.get("protocol", {}).get("engine")
 
 
 def _table3_caption(benches: list[dict]) -> str:
@@ -252,12 +251,10 @@ def _table3_caption(benches: list[dict]) -> str:
         return f"No measurement yet (`python -m bench.table3`): ours read \"{MISSING}\".\n\n"
     devices = sorted({str(b.get("device", "unknown device")) for b in benches})
     laws = sorted({json.dumps(b.get("protocol", {}).get("lengths", {}), sort_keys=True) for b in benches})
-    engines = sorted({_engine(b) for b in benches})
-    text = (f"Ours: measured on {', '.join(devices)} (`python -m bench.table3`), rollout engine "
-            f"{' / '.join(engines)}.")
+    engines = " / ".join(sorted({str(_engine(b) or "not recorded") for b in benches}))
+    text = f"Ours: measured on {', '.join(devices)} (`python -m bench.table3`), rollout engine {engines}."
     if any(str(b.get("weights", "")).startswith("random") for b in benches):
-        text += (" Rows marked random ran random weights of the real Qwen2.5 shapes: speed does not depend on "
-                 "the values.")
+        text += " Rows marked random ran random weights of the real Qwen2.5 shapes (speed does not depend on them)."
     for law in map(json.loads, laws):
         if law:
             text += (f" Random weights never sample EOS, so every completion ends at a length drawn from a "
