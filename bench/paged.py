@@ -65,9 +65,13 @@ class ForcedLengthEngine(PagedEngine):
                   f"{len(sched.seqs)} rows finished, {sched.stats.get('preemptions', 0)} preemptions", flush=True)
 
     def _finish_reasons(self, seqs, tokens, sampling):
-        reasons = super()._finish_reasons(seqs, tokens, sampling)
-        return ["stop" if r is None and len(s.output) + 1 >= self.lengths[s.row] else r
-                for s, r in zip(seqs, reasons)]
+        return end_at_lengths(super()._finish_reasons(seqs, tokens, sampling), seqs, self.lengths)
+
+
+def end_at_lengths(reasons: list, seqs, lengths: list[int]) -> list:
+    """The engine's finish reasons of a step, with "stop" for each running row whose token of this step is its
+    lengths[row]-th: it ends there as if it had sampled EOS."""
+    return ["stop" if r is None and len(s.output) + 1 >= lengths[s.row] else r for s, r in zip(seqs, reasons)]
 
 
 def _parse(argv=None) -> argparse.Namespace:

@@ -102,9 +102,9 @@ class ForcedLengths:
             self.row_lengths = None
 
     def _finish_reasons(self, seqs, tokens, sampling):
-        reasons = self._finish(seqs, tokens, sampling)
-        return ["stop" if r is None and len(s.output) + 1 >= self.row_lengths[s.row] else r
-                for s, r in zip(seqs, reasons)]
+        from bench.paged import end_at_lengths
+
+        return end_at_lengths(self._finish(seqs, tokens, sampling), seqs, self.row_lengths)
 
     def warm_up(self, prompt_ids, n: int = 1, sampling=None) -> dict:
         """The paged engine's warm-up: its buckets compiled and captured, no length drawn; returns what it did."""
@@ -319,9 +319,9 @@ def measure(spec: dict, args, on_part=None, previous: dict | None = None) -> dic
             result["e2e_step_seconds"][str(batch)] = round(part["step_seconds"], 3)
         _guard(result, *part_names([], [batch]), e2e)
         on_part(result)
-    result.update(engine="paged" if paged(engine) else "torch",
-                  compile=engine.compile if paged(engine) else engine.use_compile,
-                  cuda_graph=engine.device.type == "cuda" if paged(engine) else engine.use_cuda_graph,
+    is_paged = paged(engine)
+    result.update(engine="paged" if is_paged else "torch", compile=engine.compile if is_paged else engine.use_compile,
+                  cuda_graph=engine.device.type == "cuda" if is_paged else engine.use_cuda_graph,
                   gpu_lock_wait_s=round(lock.waited_s, 1), wall_seconds=round(time.perf_counter() - start, 1))
     if not result.get(LOST):
         engine.close()

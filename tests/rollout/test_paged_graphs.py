@@ -13,9 +13,9 @@ from qerl.rollout.paged_graphs import DecodeGraphs
 
 
 class FakeCuda:
-    """torch.cuda's graph calls: the first capture into each pool listed in `fail` raises at its end and leaves
-    that pool recording and the capture stream current; a capture into a recording pool raises at its start, as
-    beginAllocateToPool does."""
+    """torch.cuda's graph calls: the first `fail` captures raise at their end and leave their pool recording and
+    the capture stream current; a capture into a recording pool raises at its start, as beginAllocateToPool
+    does."""
 
     def __init__(self, fail: int):
         self.fail, self.pools, self.recording, self.stream, self.captured = fail, 0, set(), "engine", []
