@@ -86,18 +86,13 @@ class PagedEngine(RolloutEngine):
             raise QerlError(f"PagedEngine.num_blocks: expected None or an int >= 2, got {num_blocks!r}")
         if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
             raise QerlError(f"PagedEngine.max_num_seqs: expected None or an int >= 1, got {max_num_seqs!r}")
-        if decode_buckets not in (True, False, "auto"):
-            raise QerlError(f"PagedEngine.decode_buckets: expected True, False or 'auto', got {decode_buckets!r}")
-        if compile not in (True, False, "auto"):
-            raise QerlError(f"PagedEngine.compile: expected True, False or 'auto', got {compile!r}")
+        for name, value in (("decode_buckets", decode_buckets), ("compile", compile),
+                            ("fuse_projections", fuse_projections), ("dense_weights", dense_weights),
+                            ("pipeline_decode", pipeline_decode)):
+            if value not in (True, False, "auto"):
+                raise QerlError(f"PagedEngine.{name}: expected True, False or 'auto', got {value!r}")
         if lora_dtype not in (None, "auto") and not isinstance(lora_dtype, torch.dtype):
             raise QerlError(f"PagedEngine.lora_dtype: expected None, 'auto' or a torch.dtype, got {lora_dtype!r}")
-        if fuse_projections not in (True, False, "auto"):
-            raise QerlError(f"PagedEngine.fuse_projections: expected True, False or 'auto', got {fuse_projections!r}")
-        if dense_weights not in (True, False, "auto"):
-            raise QerlError(f"PagedEngine.dense_weights: expected True, False or 'auto', got {dense_weights!r}")
-        if pipeline_decode not in (True, False, "auto"):
-            raise QerlError(f"PagedEngine.pipeline_decode: expected True, False or 'auto', got {pipeline_decode!r}")
         if resident not in (False, "auto"):
             raise QerlError(f"PagedEngine.resident: expected False or 'auto', got {resident!r}")
         self.resident, self.update_bytes, self._resident_pool = resident, None, False
@@ -284,8 +279,11 @@ class PagedEngine(RolloutEngine):
             heads = self.model.config.get_text_config().num_attention_heads
             graphed = self.device.type == "cuda" and triton_paged is not None and triton_paged.supported(
                 torch.empty(1, heads, pool.head_dim, device=self.device), pool.key[0])
+            # a warm-up is valid for the key less the pool, with the same copies attached (they pick the kernels;
+            # one warmed on humming, first captured on cuBLAS, loaded kernels mid-capture: H200, FP4 7B, 128 rows)
+            warm = (id(self), *key[:5], bool(self.dense_bytes), bool(self.humming_bytes))
             self._graphs = DecodeGraphs(self.model, pool, sampling, width, self.max_num_seqs or _MAX_BUCKET, key,
-                                        forward=self._decode_forward(graphed), warm_key=(id(self), *key[:5]))
+                                        forward=self._decode_forward(graphed), warm_key=warm)
             self._graphs.capture_ok = graphed  # else the reference's gathers: padded, but not worth a graph
         return self._graphs
 

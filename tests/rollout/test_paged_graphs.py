@@ -113,3 +113,27 @@ def test_gpu_a_capture_that_fails_in_capture_end_is_retried_and_the_rows_stay_th
     assert second.completion_ids == first.completion_ids
     third = engine.generate(prompts, 2, params)  # later captures and replays of this call work too
     assert third.completion_ids == first.completion_ids and third.stats["graph_eager_steps"] == 0
+
+
+def test_a_warm_up_counts_only_with_the_same_weight_copies_attached(model_and_tok, prompts):
+    """The copies attached (dense, humming) pick a bucket's kernels, so a bucket warmed without them must run
+    eagerly again before its capture; after sleep() with the same copies, the warm-up still counts."""
+    from qerl.rollout import SamplingParams
+    from qerl.rollout.paged_engine import PagedEngine
+
+    model, tok = model_and_tok
+    engine = PagedEngine(model, tok, block_size=16, num_blocks=128, eos_token_ids=(), decode_buckets=True,
+                         compile=False, dense_weights=False)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    engine.generate(prompts, 2, params)
+    plain = engine._graphs.warm_key
+    engine.sleep()
+    engine.generate(prompts, 2, params)
+    assert engine._graphs.warm_key == plain  # a new pool: same warm-up
+    for attr in ("dense_bytes", "humming_bytes"):
+        engine.sleep()
+        setattr(engine, attr, 1)  # as if the copies were attached for this call
+        engine._graphs = None
+        graphs = engine._graphs_for(prompts, params, engine._pool_for(prompts, 2, params.max_tokens))
+        assert graphs.warm_key != plain, attr
+        setattr(engine, attr, 0)
