@@ -15,7 +15,7 @@ A second workload, --fixed (the earlier measurement: 16 prompts x 4 x 128 tokens
 next): random FP4 (FP4Linear) or bf16 weights + peft LoRA r --lora-r on all 7 projections, built as bench.e2e_workers
 builds them for the e2e benchmark; the same draws for both; the table adds the FP4/bf16 ratio of tokens/s and peak.
 --warmup-tokens N: the untimed run's rows end after at most N tokens, staggered so that the running rows fall
-geometrically to one (warmup_lengths: every decode bucket is met, its kernels compiled), with the same rows and
+through every decode bucket to one (warmup_lengths: its kernels compiled, its graph captured), with the same rows and
 max_tokens; the timed run still captures its own graphs (a new KV pool each call; counted in graph_captures).
 Prints a table and writes JSON atomically.
 """
@@ -129,13 +129,20 @@ def draw_lengths(rows: int, median: float, sigma: float, cap: int, seed: int) ->
 
 
 def warmup_lengths(rows: int, tokens: int) -> list[int]:
-    """Lengths (1..tokens) for an untimed run whose running rows fall geometrically from `rows` to 1 (row r ends
-    after ceil(tokens * (1 - log(r + 1) / log(rows))) tokens), so that it meets every decode batch-size bucket
-    before the timed run: the FP4 kernels' Triton tile configs differ by rows and compile on first use (seconds
-    each), which a warm-up that ends every row together (one bucket) leaves to the timed run."""
-    if rows <= 1:
-        return [max(1, tokens)] * rows
-    return [max(1, math.ceil(tokens * (1 - math.log(r + 1) / math.log(rows)))) for r in range(rows)]
+    """Lengths (1..tokens, the longest = tokens) for an untimed run whose running rows fall through every decode
+    batch-size bucket of `rows` rows (qerl.rollout.paged_graphs.bucket_sizes), each held for an equal share of the
+    tokens - 1 decode steps (2+ when tokens allow: the step that compiles it, then the one that captures it), so the
+    timed run meets no new bucket: the kernels' tile configs differ by rows and compile on first use (seconds each).
+    The largest bucket runs with all the rows: a prefill with every row is not a decode step of that bucket."""
+    from qerl.rollout.paged_graphs import bucket_sizes
+
+    if rows <= 0:
+        return []
+    counts = sorted({min(b, rows) for b in bucket_sizes(rows)}, reverse=True)  # one running count per bucket
+    steps = max(tokens - 1, 0)
+    share = [steps // len(counts) + (i < steps % len(counts)) for i in range(len(counts))]
+    running = [c for c, s in zip(counts, share) for _ in range(s)]  # rows decoding at decode step 1, 2, ...
+    return [1 + sum(c > i for c in running) for i in range(rows)]
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -69,19 +69,22 @@ def test_unknown_mode_is_refused(tmp_path):
                         "--completion-cap", "4", "--out", str(tmp_path / "x.json")])
 
 
-def test_warmup_lengths_fall_geometrically_through_every_decode_bucket():
-    import math
-
+def test_warmup_lengths_run_every_decode_bucket_for_two_decode_steps():
     from bench.paged import warmup_lengths
+    from qerl.rollout.paged_graphs import bucket_sizes
 
-    for rows, tokens in [(1024, 48), (256, 32), (96, 20)]:
+    cases = [(rows, 48) for rows in range(1, 70)] + [(1024, 48), (256, 32), (96, 20), (300, 48), (513, 48)]
+    for rows, tokens in cases:
         lengths = warmup_lengths(rows, tokens)
-        assert len(lengths) == rows and max(lengths) == tokens and min(lengths) == 1
-        running = [sum(k > t for k in lengths) for t in range(tokens)]  # rows still decoding at step t
-        assert running == sorted(running, reverse=True) and running[0] == rows
-        buckets = {1 << (r - 1).bit_length() for r in running if r}  # the engine's power-of-two graph buckets
-        assert buckets == {1 << b for b in range(math.ceil(math.log2(rows)) + 1)}, (rows, sorted(buckets))
+        assert len(lengths) == rows and max(lengths) == tokens and min(lengths) >= 1
+        running = [sum(k > t for k in lengths) for t in range(1, tokens)]  # rows decoding at decode step t
+        assert running == sorted(running, reverse=True) and running[0] == rows and running[-1] == 1
+        sizes = bucket_sizes(rows)
+        met = [next(b for b in sizes if b >= r) for r in running]
+        needed = {next(b for b in sizes if b >= r) for r in range(1, rows + 1)}  # what a timed run can meet
+        assert {b for b in needed if met.count(b) >= 2} == needed, (rows, tokens, met)
     assert warmup_lengths(1, 5) == [5] and warmup_lengths(0, 5) == []
+    assert all(1 <= k <= 3 for k in warmup_lengths(40, 3))  # fewer steps than buckets: still valid lengths
 
 
 def test_rollout_floor_seconds_take_the_larger_of_bytes_and_flops_per_step(monkeypatch):
