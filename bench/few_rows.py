@@ -36,13 +36,12 @@ def mid_configs(m, n, k):
     """(label, KernelConfig) of MID_TILES at m rows, each with the split-K counts the few-row rule would pick."""
     import math
 
-    from qerl.quant.kernels.tiling import KernelConfig, k_block, pick_split
+    from bench.kernels import split_counts
+    from qerl.quant.kernels.tiling import KernelConfig, k_block
 
-    dev = torch.device("cuda")
     for bm, bn, bk, warps, stages, maxnreg in MID_TILES:
         bk = k_block(k, bk)
-        tiles = math.ceil(m / bm) * math.ceil(n / bn)
-        for split in sorted({pick_split(tiles, math.ceil(k / bk), dev, waves=w) for w in (2, 6)}):
+        for split in split_counts(math.ceil(m / bm) * math.ceil(n / bn), math.ceil(k / bk)):
             yield (f"t{bm}x{bn}x{bk}w{warps}s{stages}k{split}",
                    KernelConfig(bm, bn, bk, split, warps, stages, 8, maxnreg))
 

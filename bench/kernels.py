@@ -321,11 +321,19 @@ def _bucket(m: int) -> int:
     return next(b for b in sorted(SWEEP_FWD) if m <= b) if m <= max(SWEEP_FWD) else max(SWEEP_FWD)
 
 
-def _candidates(kind, m, n, k):
-    """(label, kwargs) of every config to try for one shape."""
-    from qerl.quant.kernels.tiling import KernelConfig, pick_split
+def split_counts(tiles: int, k_tiles: int, waves=(2, 6), one: bool = False) -> list[int]:
+    """The split-K counts to time for a grid of `tiles` output tiles over `k_tiles` K steps: what the few-row rule
+    (tiling.pick_split) picks for each target of `waves`, and 1 when `one`."""
+    from qerl.quant.kernels.tiling import pick_split
 
     dev = torch.device("cuda")
+    return sorted(({1} if one else set()) | {pick_split(tiles, k_tiles, dev, waves=w) for w in waves})
+
+
+def _candidates(kind, m, n, k):
+    """(label, kwargs) of every config to try for one shape."""
+    from qerl.quant.kernels.tiling import KernelConfig
+
     for cand in (SWEEP_FWD if kind == "fwd" else SWEEP_BWD)[_bucket(m)]:
         if cand == "dense":
             yield "dense", {"kernel": "dense"}
@@ -333,9 +341,7 @@ def _candidates(kind, m, n, k):
         bm, bn, bk, warps, stages, maxnreg, *flags = cand
         tiles = math.ceil(m / bm) * (math.ceil(n / bn) if kind == "fwd" else k // bk)
         k_tiles = math.ceil(k / bk) if kind == "fwd" else math.ceil(n / bn)
-        waves = (2, 6) if m <= 64 else (1,)
-        splits = {1} | {pick_split(tiles, k_tiles, dev, waves=w) for w in waves}
-        for sp in sorted(splits):
+        for sp in split_counts(tiles, k_tiles, (2, 6) if m <= 64 else (1,), one=True):
             cfg = KernelConfig(bm, bn, bk, sp, warps, stages, 8, maxnreg, *map(bool, flags))
             label = list(cfg)[:6] + ([maxnreg] if maxnreg else []) + (["swap"] if cfg.swap_ab else []) + (
                 ["tma"] if cfg.tma else [])

@@ -84,7 +84,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--median", type=float, default=400.0, help="median completion length of the log-normal")
     p.add_argument("--sigma", type=float, default=0.6, help="sigma of log(length)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--engines", default="paged,static", help="comma list of: paged, paged-nc (not compiled), static, static-nc (not compiled)")
+    p.add_argument("--engines", default="paged,static",
+                   help="comma list of: paged, paged-nc (not compiled), static, static-nc (not compiled)")
     p.add_argument("--static-chunk", type=int, default=0, help="rows per static-engine batch, whole prompt groups "
                    "(0: all rows in one batch; the static cache holds every row at full length)")
     p.add_argument("--no-fixed", action="store_true", help="skip the 16 x 4 x 128 fixed-length workload")

@@ -53,3 +53,24 @@ def test_none_is_the_shipped_kernel(builds):
     with few_rows.cuda_source(None):
         assert cuda_fp4._module is shipped
     assert not seen
+
+
+def test_mid_configs_time_each_tile_at_the_split_counts_the_few_row_rule_picks(monkeypatch):
+    """One config per distinct split of tiling.pick_split at 2 and 6 waves (bench.kernels.split_counts, shared with
+    the sweep, which also times split 1); on a faked 132-SM device."""
+    import math
+
+    from bench.kernels import split_counts
+    from qerl.quant.kernels import tiling
+
+    monkeypatch.setattr(tiling, "target_programs", lambda device: 264)
+    m, n, k = 32, 37888, 3584
+    configs = list(few_rows.mid_configs(m, n, k))
+    for bm, bn, bk, warps, stages, maxnreg in few_rows.MID_TILES:
+        bk = tiling.k_block(k, bk)
+        tiles, k_tiles = math.ceil(m / bm) * math.ceil(n / bn), math.ceil(k / bk)
+        want = sorted({tiling.pick_split(tiles, k_tiles, torch.device("cuda"), waves=w) for w in (2, 6)})
+        got = [c.split for _, c in configs if (c.bm, c.bn, c.bk, c.warps, c.stages, c.maxnreg) ==
+               (bm, bn, bk, warps, stages, maxnreg)]
+        assert got == want
+    assert split_counts(4, 64, one=True)[0] == 1 and 1 not in split_counts(4, 64)
