@@ -10,8 +10,9 @@ step = packed forward over [1, bucket] tokens (attention through the Triton page
 static output buffer, so the sampled token and its log-prob never leave the graph. The first step of a bucket runs
 eagerly (Triton compilation, lazy library workspaces), the second captures it; all buckets share one memory pool
 (after a failed capture, a fresh one).
-A bucket already run eagerly in this process under the same `warm_key` (the key less the pool: the engine's next
-rollout, after the update took the pool's memory) is captured at its first step.
+A bucket already run eagerly in this process under the same `warm_key` (the key less the pool, with the same weight
+copies attached, which pick its kernels: the engine's next rollout, after the update took the pool's memory) is
+captured at its first step.
 A captured graph reads the weights, the KV pool and the buffers by address: in-place weight updates between calls
 are seen, and the key (weights' storage, adapter switches, pool, table width, sampling knobs) says when it is stale.
 The host fills pinned staging buffers and copies them with four H2D copies, and reads the outputs with one D2H:
