@@ -203,6 +203,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     result = dict(mode=f"{mode}+lora", rows=len(lengths), useful_tokens=sum(lengths), warmup_s=warm_s,
                   warmup_torch_compile_s=compiled["torch_compile_s"],
                   warmup_humming_s=compiled["humming_prepare_s"], warmup_humming_kernels=compiled["humming_kernels"],
+                  warmup_cuda_build_s=compiled["cuda_build_s"],
                   rollout_s=rollout_s, rollout_tok_s=sum(lengths) / rollout_s, decode_steps=stats.get("steps"),
                   preemptions=stats.get("preemptions"), peak_running=stats.get("peak_running"),
                   dense_copy_gib=stats.get("dense_copy_bytes", 0) / 2**30,
@@ -346,7 +347,8 @@ def _table(rows: list[dict]) -> str:
                      f"{r['update_tok_s'] or 0:9,.0f} {r['step_s']:7.1f} {r['peak_gib']:8.2f}")
     for r in rows:
         lines.append(f"{r['mode']:10s} warm-up {r['warmup_s']:.1f} s: torch.compile {r['warmup_torch_compile_s']:.1f} s, "
-                     f"humming {r['warmup_humming_kernels']} kernels {r['warmup_humming_s']:.1f} s; graph builds "
+                     f"humming {r['warmup_humming_kernels']} kernels {r['warmup_humming_s']:.1f} s, our CUDA kernels "
+                     f"{r.get('warmup_cuda_build_s', 0):.1f} s; graph builds "
                      f"in the timed rollout {r.get('graph_build_s') or 0:.2f} s; projection groups "
                      f"{r.get('projection_groups')}")
     for r in rows:

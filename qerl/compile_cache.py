@@ -1,14 +1,16 @@
-"""Where compiled kernels outlive the process: torch.compile (inductor), Triton and humming-kernels under one root.
+"""Where compiled kernels outlive the process: torch.compile (inductor), Triton, humming-kernels and our own CUDA
+kernels' cubins (qerl.quant.kernels.cuda_build) under one root.
 
     where = configure()            # at a stage's start, before anything compiles (qerl.stage.run_main does it)
     clock = CompileClock(); ...; clock.summary()   # seconds spent compiling since the clock started, by library
 
-The first 7B rollout compiles the decoder layers (inductor), our Triton kernels and humming's JIT GEMMs (nvcc): a
-minute or two on a cold cache, seconds on a warm one. Each library keeps its own cache by default (inductor in
-/tmp, which a cluster node may wipe between jobs); QERL_COMPILE_CACHE=<dir> puts all three under one directory, e.g.
-on a shared filesystem so that every rank, job and node after the first starts warm (as vLLM's torch_compile_cache).
-The default root is ${XDG_CACHE_HOME:-~/.cache}/qerl/compile; QERL_COMPILE_CACHE=off leaves the libraries' own
-defaults. A library variable the user set (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, HUMMING_CACHE_DIR) wins.
+The first 7B rollout compiles the decoder layers (inductor), our Triton and CUDA kernels and humming's JIT GEMMs
+(nvcc): a minute or two on a cold cache, seconds on a warm one. Each library keeps its own cache by default (inductor
+in /tmp, which a cluster node may wipe between jobs; our cubins nowhere); QERL_COMPILE_CACHE=<dir> puts all four
+under one directory, e.g. on a shared filesystem so that every rank, job and node after the first starts warm (as
+vLLM's torch_compile_cache). The default root is ${XDG_CACHE_HOME:-~/.cache}/qerl/compile; QERL_COMPILE_CACHE=off
+leaves the libraries' own defaults. A variable the user set (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR,
+HUMMING_CACHE_DIR, QERL_CUDA_CACHE_DIR) wins.
 """
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ from pathlib import Path
 from qerl.errors import QerlError
 
 ENV = "QERL_COMPILE_CACHE"
-LIBRARIES = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR", "humming": "HUMMING_CACHE_DIR"}
+LIBRARIES = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR", "humming": "HUMMING_CACHE_DIR",
+             "cuda": "QERL_CUDA_CACHE_DIR"}
 
 
 def cache_root(environ=None) -> Path | None:
-    """The directory the three caches live under, or None (QERL_COMPILE_CACHE=off: each library's default)."""
+    """The directory the caches live under, or None (QERL_COMPILE_CACHE=off: each library's default)."""
     environ = os.environ if environ is None else environ
     value = environ.get(ENV, "").strip()
     if value.lower() == "off":
@@ -63,19 +66,20 @@ def dynamo_compile_seconds() -> float:
 
 class CompileClock:
     """Compile seconds by library since it started: torch.compile from dynamo's own metrics, humming from
-    qerl.quant.kernels.humming_fp4's prepare timer; the rest of a slow first step (Triton JIT, captures) is what the
-    caller's wall clock leaves."""
+    qerl.quant.kernels.humming_fp4's prepare timer, our CUDA kernels from cuda_build's; the rest of a slow first
+    step (Triton JIT, captures) is what the caller's wall clock leaves."""
 
     def __init__(self):
-        from qerl.quant.kernels import humming_fp4
+        from qerl.quant.kernels import cuda_build, humming_fp4
 
-        self._humming = humming_fp4.PREPARE
+        self._humming, self._cuda = humming_fp4.PREPARE, cuda_build.BUILDS
         self.start = time.perf_counter()
         self.dynamo0 = dynamo_compile_seconds()
-        self.humming0 = dict(self._humming)
+        self.humming0, self.cuda0 = dict(self._humming), dict(self._cuda)
 
     def summary(self) -> dict[str, float]:
         return {"wall_s": time.perf_counter() - self.start,
                 "torch_compile_s": dynamo_compile_seconds() - self.dynamo0,
                 "humming_prepare_s": self._humming["seconds"] - self.humming0["seconds"],
-                "humming_kernels": self._humming["kernels"] - self.humming0["kernels"]}
+                "humming_kernels": self._humming["kernels"] - self.humming0["kernels"],
+                "cuda_build_s": self._cuda["seconds"] - self.cuda0["seconds"]}

@@ -1,14 +1,19 @@
 """Build and launch CUDA C without a torch extension: a cubin from nvcc or NVRTC (libnvrtc and the CUDA headers ship
 with CUDA builds of torch), loaded into torch's context and launched through the driver API on torch's current
 stream (with programmatic dependent launch where asked). Used by kernels.cuda_fp4; no triton, no qerl imports.
+With QERL_CUDA_CACHE_DIR set (qerl.compile_cache.configure sets it under the compile-cache root) a cubin is kept
+there, keyed by its source, arch and compiler binary, so later processes and other ranks load it instead of
+compiling it again (seconds of nvcc per process).
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -65,14 +70,72 @@ def _compile_nvrtc(source: str, arch: str) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+CACHE_ENV = "QERL_CUDA_CACHE_DIR"
+BUILDS = {"seconds": 0.0, "compiled": 0, "loaded": 0}  # this process's cubins (qerl.compile_cache.CompileClock)
+
+
 def compile_cubin(source: str, arch: str, compiler: str = "auto", nvcc: str | None = None) -> bytes:
     """A cubin of `source` for `arch` (e.g. sm_90): nvcc when there is one (auto, nvcc), else NVRTC (auto, nvrtc);
-    one clear error when neither is there or the source does not build."""
+    one clear error when neither is there or the source does not build. Kept in / loaded from $QERL_CUDA_CACHE_DIR
+    when that is set."""
     nvcc_path = _find_nvcc(nvcc) if compiler in ("auto", "nvcc") else None
-    if nvcc_path is None:
-        if compiler == "nvcc":
-            raise RuntimeError(f"nvcc not found (looked on PATH and at {nvcc or '/usr/local/cuda/bin/nvcc'})")
-        return _compile_nvrtc(source, arch)
+    if nvcc_path is None and compiler == "nvcc":
+        raise RuntimeError(f"nvcc not found (looked on PATH and at {nvcc or '/usr/local/cuda/bin/nvcc'})")
+    if nvcc_path is not None:
+        binary = shutil.which(nvcc_path) or nvcc_path
+    else:
+        found = _find_nvrtc()
+        binary = str(found[0]) if found is not None else None
+    cached = _cache_file(source, arch, binary)
+    if cached is not None:
+        try:
+            cubin = cached.read_bytes()
+        except OSError:
+            cubin = b""
+        if cubin[:4] == b"\x7fELF":  # else absent, or cut short: compile again and replace it
+            BUILDS["loaded"] += 1
+            return cubin
+    start = time.perf_counter()
+    cubin = _compile_nvcc(source, arch, nvcc_path) if nvcc_path is not None else _compile_nvrtc(source, arch)
+    BUILDS["seconds"] += time.perf_counter() - start
+    BUILDS["compiled"] += 1
+    if cached is not None:
+        _store(cached, cubin)
+    return cubin
+
+
+def _cache_file(source: str, arch: str, binary: str | None) -> Path | None:
+    """Where $QERL_CUDA_CACHE_DIR keeps this build: the key covers the source, the arch and the compiler binary
+    (its path, size and mtime: another or an upgraded compiler builds anew). None: no cache set, or no compiler."""
+    root = os.environ.get(CACHE_ENV, "").strip()
+    if not root or binary is None:
+        return None
+    try:
+        st = Path(binary).stat()
+    except OSError:
+        return None
+    ident = f"{Path(binary).resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    key = hashlib.sha256("\0".join((source, arch, ident)).encode()).hexdigest()[:32]
+    return Path(root).expanduser() / f"{key}-{arch}.cubin"
+
+
+def _store(path: Path, cubin: bytes) -> None:
+    """Write atomically (ranks building together write the same bytes; a reader never sees half a file); a cache
+    that cannot be written is skipped: the next process compiles again."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users of a shared cache out
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _compile_nvcc(source: str, arch: str, nvcc_path: str) -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp, "qerl_fp4.cu"), Path(tmp, "qerl_fp4.cubin")
         src.write_text(source)
