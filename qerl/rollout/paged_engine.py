@@ -421,13 +421,15 @@ def _step_bin(rows: int, decode: bool) -> str:
 def _log_compiles(times: dict) -> dict:
     """One log line when this call compiled for over a second (a first rollout), saying what and where it is kept;
     the seconds also go to the call's stats."""
-    spent = times["torch_compile_s"] + times["humming_prepare_s"]
+    spent = times["torch_compile_s"] + times["humming_prepare_s"] + times["cuda_build_s"]
     if spent > 1.0:
         log.info("rollout: %.1f s of this %.1f s call compiled: torch.compile of the decoder layers %.1f s, humming "
-                 "%d kernels %.1f s (the rest of the build: Triton JIT, warm-up steps, captures); kept for later runs "
-                 "under %s", spent, times["wall_s"], times["torch_compile_s"], times["humming_kernels"],
-                 times["humming_prepare_s"], compile_cache.cache_root() or "each library's default cache")
-    return {"compile_torch_s": times["torch_compile_s"], "compile_humming_s": times["humming_prepare_s"]}
+                 "%d kernels %.1f s, qerl's CUDA kernels %.1f s (the rest of the build: Triton JIT, warm-up steps, "
+                 "captures); kept for later runs under %s", spent, times["wall_s"], times["torch_compile_s"],
+                 times["humming_kernels"], times["humming_prepare_s"], times["cuda_build_s"],
+                 compile_cache.cache_root() or "each library's default cache")
+    return {"compile_torch_s": times["torch_compile_s"], "compile_humming_s": times["humming_prepare_s"],
+            "compile_cuda_s": times["cuda_build_s"]}
 
 
 def _decode_only(chunks) -> bool:
