@@ -44,8 +44,8 @@ def compilers() -> list[str]:
     return [name for name, found in (("nvcc", _find_nvcc()), ("nvrtc", _find_nvrtc())) if found is not None]
 
 
-def _compile_nvrtc(source: str, arch: str) -> bytes:
-    found = _find_nvrtc()
+def _compile_nvrtc(source: str, arch: str, found: tuple[Path, Path] | None) -> bytes:
+    """found: _find_nvrtc()'s answer (the caller looked it up already, to key the cache)."""
     if found is None:
         raise RuntimeError("NVRTC not found (no libnvrtc.so + cuda_bf16.h in torch's nvidia package or CUDA_HOME)")
     lib_path, include = found
@@ -82,8 +82,8 @@ def compile_cubin(source: str, arch: str, compiler: str = "auto", nvcc: str | No
     if nvcc_path is None and compiler == "nvcc":
         raise RuntimeError(f"nvcc not found (looked on PATH and at {nvcc or '/usr/local/cuda/bin/nvcc'})")
     if nvcc_path is not None:
-        binary = shutil.which(nvcc_path) or nvcc_path
-    else:
+        found, binary = None, shutil.which(nvcc_path) or nvcc_path
+    else:  # _find_nvrtc searches torch's nvidia package recursively: once, for the cache key and the build
         found = _find_nvrtc()
         binary = str(found[0]) if found is not None else None
     cached = _cache_file(source, arch, binary)
@@ -96,7 +96,7 @@ def compile_cubin(source: str, arch: str, compiler: str = "auto", nvcc: str | No
             BUILDS["loaded"] += 1
             return cubin
     start = time.perf_counter()
-    cubin = _compile_nvcc(source, arch, nvcc_path) if nvcc_path is not None else _compile_nvrtc(source, arch)
+    cubin = _compile_nvcc(source, arch, nvcc_path) if nvcc_path is not None else _compile_nvrtc(source, arch, found)
     BUILDS["seconds"] += time.perf_counter() - start
     BUILDS["compiled"] += 1
     if cached is not None:
