@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from qerl.errors import QerlError
+from qerl.quant import side_stream
 from qerl.quant.kernels import cuda_fp4, humming_fp4
 from qerl.quant.kernels.device import auto_on_off, capability, device_index, pdl_mode
 from qerl.quant.operands import check_operands, lora_adapter, segment_bounds
@@ -29,7 +30,7 @@ from qerl.quant.reference import reference_fp4_lora_matmul, reference_fp4_matmul
 __all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "HUMMING_MAX_ROWS", "HUMMING_MIN_ROWS", "HUMMING_TABLE_ROWS", "KERNELS",
            "SMALL_MM_MAX_ROWS", "TMA_DENSE_MIN_ROWS", "check_kernel_environment", "choose_kernel", "fp4_cuda_mode",
            "fp4_humming_mode", "fp4_lora_matmul", "fp4_matmul", "fp4_matmul_t", "lora_expand", "pdl_mode",
-           "run_fp4_matmul", "run_fp4_matmul_t", "run_lora_expand", "small_matmul"]
+           "run_fp4_matmul", "run_fp4_matmul_t", "run_lora_expand", "shrink_beside", "small_matmul"]
 
 AUTO_ROWS = 8  # QERL_FP4_CUDA=auto: at 9-16 rows the two-tile CUDA kernel lost to Triton (BENCHMARKS.md)
 DENSE_MIN_ROWS = 128  # grad_input, and forward before sm_90: from here dequantize + cuBLAS beats the fused kernels
@@ -61,9 +62,9 @@ def fp4_humming_mode(environ=None) -> str:
 
 
 def check_kernel_environment(environ=None) -> None:
-    """The kernel switches (QERL_FP4_CUDA, QERL_FP4_HUMMING, QERL_PDL) read at every launch, checked once before a
-    stage starts: a bad value is one line naming the variable, not a traceback from inside a forward."""
-    for name in ("QERL_FP4_CUDA", "QERL_FP4_HUMMING", "QERL_PDL"):
+    """The kernel switches (QERL_FP4_CUDA, QERL_FP4_HUMMING, QERL_PDL, QERL_LORA_OVERLAP) read at every launch,
+    checked once before a stage starts: a bad value is one line naming the variable, not a traceback."""
+    for name in ("QERL_FP4_CUDA", "QERL_FP4_HUMMING", "QERL_PDL", "QERL_LORA_OVERLAP"):
         try:
             auto_on_off(name, environ)
         except ValueError as err:
@@ -242,11 +243,12 @@ def _launch_forward(kernel, p: _Prepared, weight_packed, weight_scale, weight_gl
     if kernel == "humming":
         if a is not None and lora_b_diag is not None:
             _check_block_diagonal(lora_b_diag, b, p.x2, n_segments)
+        xa, join = (None, None) if a is None else shrink_beside(p.x2, a)
         humming_fp4.fp4_matmul_humming(p.x2, weight_packed, weight_scale, weight_global_scale,
                                        [p.n1, p.n2 - p.n1, p.n - p.n2][:n_segments], p.out)
         if a is not None:  # bias and every segment's B product in one pass over the output
-            run_lora_expand(p.out, _small_matmul_eager(p.x2, a), b, lora_scale, p.n1, p.n2, bias, lora_b_diag,
-                            out=p.out)
+            join()
+            run_lora_expand(p.out, xa, b, lora_scale, p.n1, p.n2, bias, lora_b_diag, out=p.out)
         elif bias is not None:
             p.out.add_(bias.to(p.out.dtype))
         return
@@ -321,10 +323,17 @@ def run_fp4_matmul_t(g, weight_packed, weight_scale, weight_global_scale, *, ker
     return out.reshape(*g.shape[:-1], k)
 
 
-def _small_matmul_eager(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _small_matmul_eager(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     kernel = choose_kernel("small", x2.device.type, (0, 0), x2.shape[0], dtype=x2.dtype, w_dtype=w.dtype,
                            n=w.shape[0], triton=lambda: _triton() is not None)
-    return _triton().fp4.small_matmul(x2, w) if kernel == "triton" else x2 @ w.T
+    if kernel == "triton":
+        return _triton().fp4.small_matmul(x2, w, out=out)
+    return x2 @ w.T if out is None else torch.matmul(x2, w.T, out=out)
+
+
+def shrink_beside(x2: torch.Tensor, w: torch.Tensor):
+    """x2 @ w.T (LoRA's x @ A.T) started beside the caller's next launch (qerl.quant.side_stream): (xa, join)."""
+    return side_stream.beside(lambda out: _small_matmul_eager(x2, w, out), (x2.shape[0], w.shape[0]), x2)
 
 
 @torch.library.custom_op("qerl::fp4_matmul", mutates_args=())

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl.quant.dispatch import fp4_lora_matmul, lora_expand, small_matmul
+from qerl.quant.dispatch import fp4_lora_matmul, run_lora_expand, shrink_beside
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _STACKED = ("weight_packed", "weight_scale", "weight_global_scale")
@@ -44,6 +44,23 @@ def _kind(module: nn.Module) -> str | None:
     if isinstance(module, LoraLinear) and type(module.base_layer) is nn.Linear and not module.merged:
         return "dense"
     return None
+
+
+@torch.library.custom_op("qerl::dense_lora_matmul", mutates_args=())
+def _dense_lora_op(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                   lora_b: torch.Tensor, scale: float, n1: int, n2: int,
+                   lora_b_diag: torch.Tensor | None) -> torch.Tensor:
+    """x2 @ weight.T (+ bias) + scale * per-segment (x2 @ A.T) @ B.T, inference only: x @ A.T on the side stream
+    while cuBLAS runs the GEMM (qerl.quant.side_stream), then one lora_expand pass over the output."""
+    xa, join = shrink_beside(x2, lora_a)
+    out = F.linear(x2, weight, bias)
+    join()
+    return run_lora_expand(out, xa, lora_b, scale, n1, n2, None, lora_b_diag, out=out)
+
+
+@_dense_lora_op.register_fake
+def _(x2, weight, bias, lora_a, lora_b, scale, n1, n2, lora_b_diag):
+    return x2.new_empty(x2.shape[0], weight.shape[0])
 
 
 def _grouped_dense_forward(self, x, *args, **kwargs):
@@ -167,19 +184,20 @@ class ProjectionGroup:
                                    self.stacked["weight_global_scale"], self.bias, self.lora_a, self.lora_b,
                                    self.scaling, self.sizes, self.lora_b_diag)
         x2 = x.reshape(-1, x.shape[-1])
-        out = F.linear(x2, self.stacked["weight"], self.bias)
-        return self._expand(out, x2).reshape(*x.shape[:-1], out.shape[-1])
+        out = self._dense_lora(x2, self.stacked["weight"], self.bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _dense_copy_forward(self, x: torch.Tensor) -> torch.Tensor:
         """FP4 group over its dense copy: one cuBLAS GEMM, x @ A.T, then each member's B on its output slice."""
         x2 = x.reshape(-1, x.shape[-1])
-        out = F.linear(x2, self.dense, None if self.bias is None else self.bias.to(self.dense.dtype))
-        return self._expand(out, x2).reshape(*x.shape[:-1], out.shape[-1])
+        out = self._dense_lora(x2, self.dense, None if self.bias is None else self.bias.to(self.dense.dtype))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def _expand(self, out: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-        """out + every member's B product, in one pass over out (qerl.quant.dispatch.lora_expand)."""
-        return lora_expand(out, small_matmul(x2, self.lora_a), self.lora_b, self.scaling, self.sizes, None,
-                           self.lora_b_diag)
+    def _dense_lora(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x2 @ weight.T (+ bias) + every member's B product: one op, x @ A.T beside the GEMM."""
+        bounds = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes) - 1)] + [weight.shape[0]] * 2
+        return _dense_lora_op(x2, weight, bias, self.lora_a, self.lora_b, self.scaling, bounds[0], bounds[1],
+                              self.lora_b_diag)
 
     def _usable(self, x: torch.Tensor) -> bool:
         first = self.members[0]

@@ -186,7 +186,7 @@ def test_dynamo_traces_the_group_protocol_without_breaks(nvfp4_dir, tiny_model_d
         out = torch.compile(projections, backend="eager", fullgraph=True)(x)
     assert explanation.graph_break_count == 0
     targets = [str(n.target) for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"]
-    stacked = "qerl.fp4_lora_matmul" if kind == "fp4" else "qerl.small_matmul"
+    stacked = "qerl.fp4_lora_matmul" if kind == "fp4" else "qerl.dense_lora_matmul"
     assert sum(stacked in t for t in targets) == 2  # q|k|v and gate|up, not five layers
     for got, want in zip(out, ref):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -330,13 +330,14 @@ def _workspace(device: torch.device, part_elems: int, tiles: int) -> tuple[torch
     return part, cnt
 
 
-def small_matmul(x2: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Tensor:
+def small_matmul(x2: torch.Tensor, w: torch.Tensor, split: int | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """x2 (M, K) @ w (N, K).T in x2's dtype with `_small_mm_kernel` (a LoRA A at decode: ~2 kernels of cuBLAS become
     one), for the operands that qerl.quant.dispatch.choose_kernel("small", ...) sends here (few rows, N <= 256,
-    bf16/fp16 on CUDA). `split`: K splits (default `_small_split`)."""
+    bf16/fp16 on CUDA), into `out` (M, N) when given. `split`: K splits (default `_small_split`)."""
     m, k = x2.shape
     n = w.shape[0]
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device) if out is None else out
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     bn = max(16, min(64, triton.next_power_of_2(n)))
     bk = _k_block(k, 256 if bm <= 32 else 128)
