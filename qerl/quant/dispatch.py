@@ -37,7 +37,9 @@ DENSE_MIN_ROWS = 128  # grad_input, and forward before sm_90: from here dequanti
 # forward on sm_90+ with bf16/fp16 x: the TMA tiles (kernels.tiling.many_rows_config) up to 128 rows; at 256 rows they
 # beat dequantize + cuBLAS on 7B gate/up by ~10% but lost on q/o and q|k|v (26 vs 22, 35 vs 27 us; H200)
 TMA_DENSE_MIN_ROWS = 129
-SMALL_MM_MAX_ROWS = 64  # small_matmul's Triton kernel: a LoRA A at decode (~2 cuBLAS kernels become one)
+# small_matmul's Triton kernel: a LoRA A at decode (cuBLAS's split-K GEMM + reduction become one launch); beside
+# humming's GEMM at 128 rows it made the 7B decode step 6.9 ms instead of 7.5-7.7 with cuBLAS (H200)
+SMALL_MM_MAX_ROWS = 128
 SMALL_MM_MAX_N = 256
 EXPAND_MAX_ROWS = 512  # lora_expand's one-pass kernel; from here cuBLAS's GEMM no longer splits K
 EXPAND_MAX_RANK = 128  # its dot takes all of xa's columns (segments x r) at once

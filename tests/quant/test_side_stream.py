@@ -62,6 +62,13 @@ def _cuda():
         pytest.skip("needs a CUDA GPU")
 
 
+def _close(out, ref):
+    """Equal up to the base GEMM's own run-to-run differences (humming's and cuBLAS's split-K may reduce in any
+    order); a missing, stale or doubled LoRA term is ~10% of the output here."""
+    err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
+    assert err < 1e-2, err
+
+
 def _graph(fn):
     """fn() warmed up once, then captured; returns (graph, its output)."""
     fn()
@@ -73,10 +80,10 @@ def _graph(fn):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [17, 64, 128])
+@pytest.mark.parametrize("rows", [17, 64, 128, 200])
 def test_humming_lora_beside_equals_in_line_and_replays(rows, monkeypatch):
-    """Stacked q|k|v-like weights with LoRA on humming's path (x @ A.T on our kernel to 64 rows, cuBLAS at 128):
-    beside the GEMM gives exactly the in-line result, and a captured call replays with new x and a new B."""
+    """Stacked q|k|v-like weights with LoRA on humming's path (x @ A.T on our kernel to 128 rows, cuBLAS at 200):
+    beside the GEMM gives the in-line result, and a captured call replays with new x and a new B."""
     from qerl.quant.kernels import humming_fp4
 
     _cuda()
@@ -99,14 +106,16 @@ def test_humming_lora_beside_equals_in_line_and_replays(rows, monkeypatch):
     monkeypatch.setenv("QERL_LORA_OVERLAP", "0")
     in_line = call()
     monkeypatch.setenv("QERL_LORA_OVERLAP", "1")
-    assert torch.equal(call(), in_line)
+    _close(call(), in_line)
     graph, out = _graph(call)
     x.copy_(torch.randn(x.shape, device="cuda", generator=g))
     b.copy_(torch.randn(b.shape, device="cuda", generator=g))
     graph.replay()
     monkeypatch.setenv("QERL_LORA_OVERLAP", "0")
     want = call()
-    assert not torch.equal(want, in_line) and torch.equal(out, want)
+    _close(out, want)
+    with pytest.raises(AssertionError):  # the check sees the new B
+        _close(want, in_line)
     humming_fp4.clear()
 
 
@@ -130,10 +139,9 @@ def test_dense_lora_beside_equals_in_line_and_replays(rows, monkeypatch):
     err = (in_line.double() - _dense_reference(x, w, a, b, 0.5, sizes)).abs().max()
     assert err < 0.05 * in_line.double().abs().max()  # bf16 operands and output
     monkeypatch.setenv("QERL_LORA_OVERLAP", "1")
-    assert torch.equal(call(), in_line)
+    _close(call(), in_line)
     graph, out = _graph(call)
     x.copy_(torch.randn(x.shape, device="cuda", generator=g))
     graph.replay()
     monkeypatch.setenv("QERL_LORA_OVERLAP", "0")
-    want = call()
-    assert not torch.equal(want, in_line) and torch.equal(out, want)
+    _close(out, call())
