@@ -44,7 +44,7 @@ def attach_dense_copies(model: nn.Module, groups, dtype: torch.dtype) -> int:
             if group.kind != "fp4":
                 continue
             parts = [m.base_layer.dequantize_weight(dtype) for m in group.members]
-            group.dense = torch.cat(parts)
+            group.dense = parts[0] if len(parts) == 1 else torch.cat(parts)
             del parts
             start = 0
             for m, size in zip(group.members, group.sizes):

@@ -1,4 +1,5 @@
-"""Projection groups: LoRA layers that read the same input (q/k/v, gate/up) run as one launch at inference.
+"""Projection groups: LoRA layers that read the same input (q/k/v, gate/up) run as one launch at inference, and
+the single projections (o, down) as groups of one, so that every LoRA layer of an inference forward is one op.
 
     groups = group_projections(model)        # packed weights re-laid as one stacked tensor; members hold views
     with projections_fused(groups, torch.bfloat16):
@@ -11,7 +12,9 @@ stacked path. FP4 bases (FP4LoraLinear): `qerl.quant.dispatch.fp4_lora_matmul` w
 (LoRA B in its epilogue, one global scale per member; on humming's kernel and the dense copies one
 `qerl.quant.dispatch.lora_expand` pass) and one x @ A.T launch per group. Dense bases (peft's LoRA Linear over
 nn.Linear, e.g. the bf16 baseline): one cuBLAS GEMM over the stacked weight, one x @ A.T and one lora_expand pass
-(every member's B product added to its slice of the output), instead of four launches per layer. The first member
+(every member's B product added to its slice of the output), instead of peft's separate A and B GEMMs, scaling and
+add. In every group x @ A.T runs beside the base GEMM (qerl.quant.side_stream). A group of one keeps its tensors
+(nothing is stacked or copied); in larger groups the first member
 computes the whole group when it is called; the others return their slice when called with the very same input
 tensor, and compute on their own otherwise (a model that calls them differently stays correct, only unfused).
 In-place writes to a member's weights (load_state_dict, copy_) reach the stacked tensors; moving the model to
@@ -29,7 +32,7 @@ from torch import nn
 
 from qerl.quant.dispatch import fp4_lora_matmul, run_lora_expand, shrink_beside
 
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))
 _STACKED = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
@@ -96,6 +99,9 @@ class ProjectionGroup:
             for name in names:
                 parts = [getattr(b, name).reshape(1) if name == "weight_global_scale" else getattr(b, name)
                          for b in bases]
+                if len(parts) == 1:  # a group of one reads its member's own tensors
+                    self.stacked[name] = parts[0].detach()
+                    continue
                 self.stacked[name] = torch.cat([p.detach() for p in parts])
                 start = 0
                 for base, part in zip(bases, parts):
@@ -125,7 +131,7 @@ class ProjectionGroup:
         """One kind (FP4 or dense base), same input size, device, dtype and bias presence, one common adapter
         with one rank and scaling, output sizes that a kernel tile boundary can separate (multiples of 16)."""
         kinds = {_kind(m) for m in members}
-        if len(members) < 2 or len(kinds) != 1 or None in kinds:
+        if not members or len(kinds) != 1 or None in kinds:
             return False
         first = members[0]
         if len(first.active_adapters) != 1:
@@ -166,6 +172,8 @@ class ProjectionGroup:
             self._outs = self._x = None
             if self._usable(x):
                 out = self._stacked_forward(x)
+                if len(self.members) == 1:
+                    return out
                 self._outs, self._x = out.split(self.sizes, dim=-1), x
                 return self._outs[0]
             return None
@@ -209,13 +217,15 @@ class ProjectionGroup:
 
     def ungroup(self) -> None:
         """Give every member contiguous tensors of its own again and detach it from the group."""
+        own = len(self.members) == 1  # a group of one never gave its member views
         with torch.no_grad():
             for m in self.members:
-                if self.kind == "fp4":
+                if self.kind == "fp4" and not own:
                     for name in _STACKED:
                         m.base_layer._buffers[name] = m.base_layer._buffers[name].clone()
-                else:
-                    m.base_layer.weight.data = m.base_layer.weight.data.clone()
+                elif self.kind != "fp4":
+                    if not own:
+                        m.base_layer.weight.data = m.base_layer.weight.data.clone()
                     m.__dict__.pop("forward", None)
                 m.__dict__.pop("_qerl_group", None)
                 m.base_layer.__dict__.pop("dense_copy", None)  # a view of the stacked copy dropped below
@@ -226,8 +236,8 @@ class ProjectionGroup:
 
 def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense")) -> list[ProjectionGroup]:
     """A ProjectionGroup for every module whose children named by one of `groups` are compatible LoRA layers
-    (all FP4LoraLinear: kind "fp4", or all peft LoRA Linear over nn.Linear: kind "dense") of one of `kinds`;
-    other models get none. Memory: the weights move, nothing is held twice (the members' weights become views of
+    (all FP4LoraLinear: kind "fp4", or all peft LoRA Linear over nn.Linear: kind "dense") of one of `kinds`, and
+    one per member where they are not; other models get none. Memory: the weights move, nothing is held twice (the members' weights become views of
     the stacked tensors)."""
     found, taken = [], 0
     for module in model.modules():
@@ -239,6 +249,8 @@ def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense")) -
                 taken += 1
             elif ProjectionGroup.compatible(members):
                 found.append(ProjectionGroup(members))
+            else:  # members that cannot stack (ranks, adapters differ) still run as one op each
+                found += [ProjectionGroup([m]) for m in members if ProjectionGroup.compatible([m])]
     if taken:  # grouped by another engine on this model: they run only while that engine's groups are active
         warnings.warn(f"{taken} projection groups of this model belong to another engine (close it first): they run "
                       f"ungrouped here", stacklevel=2)

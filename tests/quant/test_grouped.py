@@ -39,8 +39,10 @@ def test_grouped_inference_equals_separate_layers_in_fewer_calls(nvfp4_dir, monk
     before = {id(m): m.base_layer.weight_packed.clone() for m in layers}
     groups = group_projections(model)
     n_layers = len(model.base_model.model.model.layers)
-    assert len(groups) == 2 * n_layers and [len(g.members) for g in groups[:2]] == [3, 2]
+    assert len(groups) == 4 * n_layers and [len(g.members) for g in groups[:4]] == [3, 1, 2, 1]  # qkv, o, gate|up, down
     q, k, v = groups[0].members
+    o = groups[1].members[0]  # a group of one reads its own tensors: nothing stacked, nothing copied
+    assert groups[1].stacked["weight_packed"].data_ptr() == o.base_layer.weight_packed.data_ptr()
     # members hold views of one stacked tensor: nothing copied twice, values unchanged
     stacked = groups[0].stacked["weight_packed"]
     assert k.base_layer.weight_packed.data_ptr() == stacked.data_ptr() + q.base_layer.weight_packed.numel()
@@ -49,8 +51,8 @@ def test_grouped_inference_equals_separate_layers_in_fewer_calls(nvfp4_dir, monk
     calls = _count_calls(monkeypatch)
     with torch.no_grad(), projections_fused(groups, torch.float32):
         fused = model(IDS).logits
-    # per layer: q|k|v and gate|up stacked, o and down alone = 4 calls instead of 7
-    assert calls.count("qerl.quant.grouped") == 2 * n_layers and len(calls) == 4 * n_layers
+    # per layer: q|k|v and gate|up stacked, o and down groups of one = 4 calls instead of 7
+    assert calls.count("qerl.quant.grouped") == 4 * n_layers and len(calls) == 4 * n_layers
     torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
 
     calls.clear()
@@ -66,6 +68,7 @@ def test_grouped_inference_equals_separate_layers_in_fewer_calls(nvfp4_dir, monk
     ungroup_projections(groups)
     assert all(torch.equal(m.base_layer.weight_packed, before[id(m)]) for m in layers)
     assert k.base_layer.weight_packed.data_ptr() != stacked.data_ptr() + q.base_layer.weight_packed.numel()
+    assert o.base_layer.weight_packed.data_ptr() == groups[1].members[0].base_layer.weight_packed.data_ptr()
     assert not any("_qerl_group" in m.__dict__ for m in layers)
 
 
@@ -94,8 +97,8 @@ def test_a_different_input_or_order_computes_alone(nvfp4_dir):
 
 
 @pytest.mark.parametrize("overrides,sizes", [
-    (dict(rank_pattern={"k_proj": 8}), [2]),  # k's rank differs: q/k/v stay separate, gate/up still stack
-    (dict(target_modules=["q_proj", "v_proj"]), []),  # k and the MLP have no adapter: nothing to stack
+    (dict(rank_pattern={"k_proj": 8}), [1, 1, 1, 1, 2, 1]),  # k's rank differs: q, k, v one op each, gate|up stack
+    (dict(target_modules=["q_proj", "v_proj"]), [1, 1]),  # k and the MLP have no adapter: q and v alone
 ])
 def test_incompatible_layers_stay_separate(nvfp4_dir, overrides, sizes):
     model = _peft(nvfp4_dir, **overrides)
@@ -117,7 +120,7 @@ def test_engine_decodes_the_same_tokens_with_groups(nvfp4_dir, tiny_model_dir):
     ref = TorchEngine(model, tok, eos_token_ids=(), fuse_projections=False).generate(prompts, 2, greedy)
     engine = TorchEngine(model, tok, eos_token_ids=(), fuse_projections=True)
     out = engine.generate(prompts, 2, greedy)
-    assert out.stats["projection_groups"] == 2 * len(model.base_model.model.model.layers)
+    assert out.stats["projection_groups"] == 4 * len(model.base_model.model.model.layers)
     assert out.completion_ids == ref.completion_ids
     torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), rtol=1e-4, atol=1e-4)
     engine.close()
@@ -137,7 +140,7 @@ def test_dense_lora_layers_group_the_same_way(tiny_model_dir):
     assert group_projections(model, kinds=("fp4",)) == []  # what TorchEngine's "auto" asks for
     groups = group_projections(model)
     n_layers = len(model.base_model.model.model.layers)
-    assert len(groups) == 2 * n_layers and {g.kind for g in groups} == {"dense"}
+    assert len(groups) == 4 * n_layers and {g.kind for g in groups} == {"dense"}
     q, k, _ = groups[0].members
     assert k.base_layer.weight.data_ptr() == q.base_layer.weight.data_ptr() + q.base_layer.weight.numel() * 4
     calls = []
@@ -220,7 +223,7 @@ def test_bf16_lora_graph_engine_groups_dense_projections(tmp_path, tokenizer_dir
     engine = TorchEngine(model, tok, eos_token_ids=())
     outs = [engine.generate(prompts, 2, greedy) for _ in range(2)]
     assert engine.use_cuda_graph and engine.use_compile
-    assert outs[1].stats["projection_groups"] == 2 * len(model.base_model.model.model.layers)
+    assert outs[1].stats["projection_groups"] == 4 * len(model.base_model.model.model.layers)
     assert outs[1].stats["graph_captures"] == 1 and outs[1].stats["graph_replays"] > 0
     assert outs[0].completion_ids == outs[1].completion_ids == ref.completion_ids
     engine.close()
@@ -237,9 +240,9 @@ def test_a_second_engine_on_a_grouped_model_warns_and_groups_once_the_first_is_c
     model = build_lora_model("tiny", "bf16", 4, 0, "cpu").float()
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     first = PagedEngine(model, tok, fuse_projections=True, eos_token_ids=())
-    assert len(first._groups) == 2 * 2  # q/k/v and gate/up of 2 layers
-    with pytest.warns(UserWarning, match="4 projection groups .* belong to another engine"):
+    assert len(first._groups) == 4 * 2  # q/k/v, o, gate/up and down of 2 layers
+    with pytest.warns(UserWarning, match="8 projection groups .* belong to another engine"):
         second = PagedEngine(model, tok, fuse_projections=True, eos_token_ids=())
     assert second._groups == []
     first.close()
-    assert second.fuse_projections() == 4
+    assert second.fuse_projections() == 8

@@ -26,11 +26,11 @@ def test_grouped_layers_count_once_as_their_stack_and_the_bytes_are_codes_plus_s
     assert len(_operands(model, [])) == 14
     assert humming_copy_bytes(model) == sum(cost(n, k) for n, k in shapes)
     groups = group_projections(model, kinds=("fp4",))
-    assert len(groups) == 4  # q|k|v and gate|up of each layer
+    assert len(groups) == 8  # q|k|v, o, gate|up and down of each layer (o and down: groups of one)
     ops = _operands(model, groups)
-    assert len(ops) == 4 + 4  # the stacks, then o and down of each layer
+    assert len(ops) == 8  # every matmul once, through its group
     assert sorted(op[0].shape[0] for op in ops) == [256, 256, 256, 256, 512, 512, 1024, 1024]
-    assert [op[3] for op in ops[:4]] == [(256, 128, 128), (512, 512)] * 2  # one global scale per segment
+    assert [op[3] for op in ops] == [(256, 128, 128), (256,), (512, 512), (256,)] * 2  # a global scale per segment
     stacked = [(512, 256), (256, 256), (1024, 256), (256, 512)] * 2
     assert humming_copy_bytes(model, groups) == sum(cost(n, k) for n, k in stacked)
     detach_humming_copies(model, groups)  # nothing held: a no-op

@@ -281,7 +281,7 @@ def test_fp4_lora_with_groups_and_lora_dtype_equals_torch_engine_and_model_is_re
         h.remove()
     assert lora_linears and seen == {torch.float32}  # the float32 copies were used, never the float64 weights
     same_rows(out, ref, atol=1e-4)
-    assert out.stats["projection_groups"] == 2 * len(model.base_model.model.model.layers)
+    assert out.stats["projection_groups"] == 4 * len(model.base_model.model.model.layers)
     assert len(engine._shadows) == 2 * len(LORA_TARGETS) * len(model.base_model.model.model.layers)
     assert model_state(model) == before
     loss = model(ids).logits
@@ -363,7 +363,7 @@ def test_gpu_fp4_lora_graphs_with_groups_and_bf16_style_copies_equal_eager(nvfp4
     runs = [engine.generate(prompts, 2, params) for _ in range(2)]
     eager = PagedEngine(model, tok, block_size=16, num_blocks=64, eos_token_ids=(), decode_buckets=False,
                         fuse_projections=False).generate(prompts, 2, params)
-    assert runs[0].stats["projection_groups"] == 2 * len(model.base_model.model.model.layers)
+    assert runs[0].stats["projection_groups"] == 4 * len(model.base_model.model.model.layers)
     assert runs[0].stats["graph_captures"] >= 1 and runs[1].stats["graph_captures"] == 0
     for run in runs:
         same_rows(run, eager, atol=1e-3)
