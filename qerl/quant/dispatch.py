@@ -245,11 +245,13 @@ def _launch_forward(kernel, p: _Prepared, weight_packed, weight_scale, weight_gl
     if kernel == "humming":
         if a is not None and lora_b_diag is not None:
             _check_block_diagonal(lora_b_diag, b, p.x2, n_segments)
-        xa, join = (None, None) if a is None else shrink_beside(p.x2, a)
-        humming_fp4.fp4_matmul_humming(p.x2, weight_packed, weight_scale, weight_global_scale,
-                                       [p.n1, p.n2 - p.n1, p.n - p.n2][:n_segments], p.out)
-        if a is not None:  # bias and every segment's B product in one pass over the output
+        xa, join = (None, side_stream.in_line) if a is None else shrink_beside(p.x2, a)
+        try:
+            humming_fp4.fp4_matmul_humming(p.x2, weight_packed, weight_scale, weight_global_scale,
+                                           [p.n1, p.n2 - p.n1, p.n - p.n2][:n_segments], p.out)
+        finally:  # xa's memory goes back to the current stream only once the side stream is done with it
             join()
+        if a is not None:  # bias and every segment's B product in one pass over the output
             run_lora_expand(p.out, xa, b, lora_scale, p.n1, p.n2, bias, lora_b_diag, out=p.out)
         elif bias is not None:
             p.out.add_(bias.to(p.out.dtype))

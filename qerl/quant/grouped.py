@@ -56,8 +56,10 @@ def _dense_lora_op(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """x2 @ weight.T (+ bias) + scale * per-segment (x2 @ A.T) @ B.T, inference only: x @ A.T on the side stream
     while cuBLAS runs the GEMM (qerl.quant.side_stream), then one lora_expand pass over the output."""
     xa, join = shrink_beside(x2, lora_a)
-    out = F.linear(x2, weight, bias)
-    join()
+    try:
+        out = F.linear(x2, weight, bias)
+    finally:  # xa's memory goes back to the current stream only once the side stream is done with it
+        join()
     return run_lora_expand(out, xa, lora_b, scale, n1, n2, None, lora_b_diag, out=out)
 
 

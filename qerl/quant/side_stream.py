@@ -34,8 +34,8 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[index]
 
 
-def _in_line() -> None:
-    return None
+def in_line() -> None:
+    """The join of a computation that ran in line: nothing to wait for."""
 
 
 def beside(compute, shape: tuple[int, int], like: torch.Tensor):
@@ -45,7 +45,7 @@ def beside(compute, shape: tuple[int, int], like: torch.Tensor):
     out = torch.empty(shape, dtype=like.dtype, device=like.device)
     if not like.is_cuda or overlap_mode() == "0":
         compute(out)
-        return out, _in_line
+        return out, in_line
     current = torch.cuda.current_stream(like.device)
     side = _stream(like.device)
     side.wait_stream(current)
