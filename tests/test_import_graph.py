@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[1] / "qerl"
 MAX_LINES = 450
 KNOWN_OVERSIZED: dict[str, int] = {}  # path -> lines: a module waiting to be split, which must not grow meanwhile
 KERNELS = "qerl.quant.kernels"
-KERNELS_MAY_IMPORT = ("qerl.quant.kernels", "qerl.errors")  # qerl.errors: a leaf (the one-line QerlError)
+# leaves: qerl.errors (the one-line QerlError), qerl.io (atomic writes; the standard library only)
+KERNELS_MAY_IMPORT = ("qerl.quant.kernels", "qerl.errors", "qerl.io")
+LEAVES = ("qerl.errors", "qerl.io")
 # none left: make_engine lives in qerl.rollout (the package), above the engines, not in the contract they import
 LAZY_FACTORY_EDGES: set[tuple[str, str]] = set()
 
@@ -103,6 +105,14 @@ def test_the_kernels_import_nothing_above_them():
             above = {t for t in _imports(path, module, modules, in_functions=True)
                      if not any(t == ok or t.startswith(ok + ".") for ok in KERNELS_MAY_IMPORT)}
             assert not above, f"{module} imports {sorted(above)} (above qerl.quant.kernels)"
+
+
+def test_the_leaves_the_kernels_may_import_import_no_qerl_module():
+    """What the kernels may import besides themselves stays a leaf, so the kernels stay below everything else."""
+    modules = _modules()
+    for leaf in LEAVES:
+        found = _imports(modules[leaf], leaf, modules, in_functions=True)
+        assert not found, f"{leaf} imports {sorted(found)}: the kernels may import it only while it is a leaf"
 
 
 def test_one_dispatcher_calls_the_kernels():

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from qerl.io import atomic_file
+
 
 def _find_nvrtc() -> tuple[Path, Path] | None:
     """libnvrtc and the include dir with cuda_bf16.h: the CUDA torch wheel's nvidia package, else CUDA_HOME."""
@@ -122,17 +124,11 @@ def _cache_file(source: str, arch: str, binary: str | None) -> Path | None:
 def _store(path: Path, cubin: bytes) -> None:
     """Write atomically (ranks building together write the same bytes; a reader never sees half a file); a cache
     that cannot be written is skipped: the next process compiles again."""
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(cubin)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users of a shared cache out
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            tmp.write_bytes(cubin)
     except OSError:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        pass
 
 
 def _compile_nvcc(source: str, arch: str, nvcc_path: str) -> bytes:
