@@ -239,8 +239,8 @@ class ProjectionGroup:
 def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense")) -> list[ProjectionGroup]:
     """A ProjectionGroup for every module whose children named by one of `groups` are compatible LoRA layers
     (all FP4LoraLinear: kind "fp4", or all peft LoRA Linear over nn.Linear: kind "dense") of one of `kinds`, and
-    one per member where they are not; other models get none. Memory: the weights move, nothing is held twice (the members' weights become views of
-    the stacked tensors)."""
+    one per member where they are not; other models get none. Memory: the weights move, nothing is held twice (the
+    members' weights become views of the stacked tensors)."""
     found, taken = [], 0
     for module in model.modules():
         for names in groups:
