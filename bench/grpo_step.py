@@ -152,7 +152,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     from transformers import AutoTokenizer
 
     from bench.e2e_workers import _random_reward, random_batch, random_prompts
-    from qerl.compile_cache import CompileClock
+    from qerl.compile_cache import CompileClock, install_triton_clock
     from qerl.trainer import GRPOTrainer, engine_options
 
     shared = Path(os.environ.get("QERL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
@@ -169,6 +169,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     engine = _Recording(model, tok, eos_token_ids=(), **engine_options(cfg))
     trainer.engine = engine
     engine.lengths = warmup_lengths(len(lengths), args.warmup_tokens)  # meets every decode bucket
+    install_triton_clock()  # our Triton kernels' first launches, timed (the warm-up's remainder, broken down)
     clock = CompileClock()
     t = time.perf_counter()
     warm = trainer.rollout(0)
@@ -203,7 +204,8 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     result = dict(mode=f"{mode}+lora", rows=len(lengths), useful_tokens=sum(lengths), warmup_s=warm_s,
                   warmup_torch_compile_s=compiled["torch_compile_s"],
                   warmup_humming_s=compiled["humming_prepare_s"], warmup_humming_kernels=compiled["humming_kernels"],
-                  warmup_cuda_build_s=compiled["cuda_build_s"],
+                  warmup_cuda_build_s=compiled["cuda_build_s"], warmup_triton_jit_s=compiled["triton_jit_s"],
+                  warmup_triton_kernels=compiled["triton_kernels"],
                   rollout_s=rollout_s, rollout_tok_s=sum(lengths) / rollout_s, decode_steps=stats.get("steps"),
                   preemptions=stats.get("preemptions"), peak_running=stats.get("peak_running"),
                   dense_copy_gib=stats.get("dense_copy_bytes", 0) / 2**30,
@@ -348,7 +350,8 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['mode']:10s} warm-up {r['warmup_s']:.1f} s: torch.compile {r['warmup_torch_compile_s']:.1f} s, "
                      f"humming {r['warmup_humming_kernels']} kernels {r['warmup_humming_s']:.1f} s, our CUDA kernels "
-                     f"{r.get('warmup_cuda_build_s', 0):.1f} s; graph builds "
+                     f"{r.get('warmup_cuda_build_s', 0):.1f} s, our Triton kernels {r.get('warmup_triton_kernels', 0)} "
+                     f"{r.get('warmup_triton_jit_s', 0):.1f} s; graph builds "
                      f"in the timed rollout {r.get('graph_build_s') or 0:.2f} s; projection groups "
                      f"{r.get('projection_groups')}")
     for r in rows:

@@ -64,10 +64,47 @@ def dynamo_compile_seconds() -> float:
     return float(sum(compilation_time_metrics.get("_compile.compile_inner", ()) or ()))
 
 
+# our @triton.jit kernels' first launches in this process, each a compile or a load from Triton's disk cache
+TRITON_JIT = {"seconds": 0.0, "kernels": 0}
+_TRITON_PENDING: dict[str, float] = {}
+_TRITON_CLOCK: list[bool] = []
+
+
+def install_triton_clock() -> bool:
+    """Time every first launch of a @triton.jit kernel into TRITON_JIT, through Triton's JIT hooks (chained to any
+    set before); once per process. False where this Triton has no such hooks. Inductor's kernels are not counted
+    here: their compile is torch.compile's."""
+    if _TRITON_CLOCK:
+        return _TRITON_CLOCK[0]
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+        before_cache, before_post = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        _TRITON_CLOCK.append(False)
+        return False
+
+    def cache_hook(*, key, **kw):
+        _TRITON_PENDING[str(key)] = time.perf_counter()
+        return before_cache(key=key, **kw) if before_cache else None  # a true answer skips the compile
+
+    def post_hook(*, key, **kw):
+        start = _TRITON_PENDING.pop(str(key), None)
+        if start is not None:
+            TRITON_JIT["seconds"] += time.perf_counter() - start
+            TRITON_JIT["kernels"] += 1
+        return before_post(key=key, **kw) if before_post else None
+
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = cache_hook, post_hook
+    _TRITON_CLOCK.append(True)
+    return True
+
+
 class CompileClock:
     """Compile seconds by library since it started: torch.compile from dynamo's own metrics, humming from
-    qerl.quant.kernels.humming_fp4's prepare timer, our CUDA kernels from cuda_build's; the rest of a slow first
-    step (Triton JIT, captures) is what the caller's wall clock leaves."""
+    qerl.quant.kernels.humming_fp4's prepare timer, our CUDA kernels from cuda_build's, our Triton kernels' JIT
+    where install_triton_clock was called (the benchmarks do; 0 otherwise); the rest of a slow first step (warm-up
+    steps, captures) is what the caller's wall clock leaves."""
 
     def __init__(self):
         from qerl.quant.kernels import cuda_build, humming_fp4
@@ -75,11 +112,13 @@ class CompileClock:
         self._humming, self._cuda = humming_fp4.PREPARE, cuda_build.BUILDS
         self.start = time.perf_counter()
         self.dynamo0 = dynamo_compile_seconds()
-        self.humming0, self.cuda0 = dict(self._humming), dict(self._cuda)
+        self.humming0, self.cuda0, self.triton0 = dict(self._humming), dict(self._cuda), dict(TRITON_JIT)
 
     def summary(self) -> dict[str, float]:
         return {"wall_s": time.perf_counter() - self.start,
                 "torch_compile_s": dynamo_compile_seconds() - self.dynamo0,
                 "humming_prepare_s": self._humming["seconds"] - self.humming0["seconds"],
                 "humming_kernels": self._humming["kernels"] - self.humming0["kernels"],
-                "cuda_build_s": self._cuda["seconds"] - self.cuda0["seconds"]}
+                "cuda_build_s": self._cuda["seconds"] - self.cuda0["seconds"],
+                "triton_jit_s": TRITON_JIT["seconds"] - self.triton0["seconds"],
+                "triton_kernels": TRITON_JIT["kernels"] - self.triton0["kernels"]}

@@ -39,3 +39,22 @@ def test_a_root_that_cannot_be_created_is_one_line_naming_the_variable(tmp_path)
     blocker.write_text("not a directory")
     with pytest.raises(QerlError, match="QERL_COMPILE_CACHE: cannot create the compile cache"):
         compile_cache.configure({"HOME": str(tmp_path), compile_cache.ENV: str(blocker / "sub")})
+
+
+def test_the_triton_clock_times_first_launches_and_chains_the_hooks_set_before(monkeypatch):
+    """Triton calls jit_cache_hook before a kernel's first-launch compile (a true answer skips it) and
+    jit_post_compile_hook after: the clock counts the time between, per key, and passes both calls on."""
+    knobs = pytest.importorskip("triton").knobs
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(("cache", kw["key"])) or None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(("post", kw["key"])))
+    monkeypatch.setattr(compile_cache, "_TRITON_CLOCK", [])
+    monkeypatch.setattr(compile_cache, "TRITON_JIT", {"seconds": 0.0, "kernels": 0})
+    assert compile_cache.install_triton_clock() and compile_cache.install_triton_clock()  # once: no double chain
+    clock = compile_cache.CompileClock()
+    assert knobs.runtime.jit_cache_hook(key=("k", 1), repr="f") is None  # None: Triton compiles
+    knobs.runtime.jit_post_compile_hook(key=("k", 1), repr="f")
+    knobs.runtime.jit_post_compile_hook(key=("other",), repr="g")  # never started here (inductor's): not counted
+    summary = clock.summary()
+    assert summary["triton_kernels"] == 1 and 0 <= summary["triton_jit_s"] < 5
+    assert seen == [("cache", ("k", 1)), ("post", ("k", 1)), ("post", ("other",))]
