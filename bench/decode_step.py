@@ -3,6 +3,7 @@ kernels inside the graph by kind, and the floor (weights + live KV over the meas
 
     python -m bench.decode_step --experiment qwen7b --modes fp4,bf16 --rows 1,16,32,64,128,256 \
         --out results/bench/decode_step.json
+    python -m bench.decode_step --modes fp4 --rows 32,64 --variants 'base;QERL_LORA_OVERLAP=0'   # A/B, one call
 
 For each mode (the trainer's random model: FP4 or bf16 + LoRA r of the recipe) and each row count R, R prompts of
 --prompt-len tokens decode --tokens tokens each (no row ends early: every decode step has R rows) through the
@@ -15,6 +16,7 @@ Prints a table, writes JSON atomically.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -57,8 +59,40 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=12, help="kernels listed per (mode, rows)")
+    p.add_argument("--variants", default="",
+                   help="A/B in one call: ';'-separated settings, each 'base' or NAME=VALUE[,NAME=VALUE] environment "
+                        "variables set while every mode runs again (e.g. 'base;QERL_LORA_OVERLAP=0')")
     p.add_argument("--out", default="results/bench/decode_step.json")
     return p.parse_args(argv)
+
+
+def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
+    """'base;A=1,B=0' -> [("base", {}), ("A=1,B=0", {"A": "1", "B": "0"})]; empty text: the one base variant."""
+    out = []
+    for part in (p.strip() for p in (text or "base").split(";")):
+        env = {}
+        for item in ([] if part in ("", "base") else part.split(",")):
+            name, eq, value = item.strip().partition("=")
+            if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise SystemExit(f"--variants: expected base or NAME=VALUE items, got {item.strip()!r}")
+            env[name] = value
+        out.append((part or "base", env))
+    return out
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """These environment variables set for the block (the kernel switches read them at launch), then restored."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _graph_ms(graph, replays: int) -> float:
@@ -196,6 +230,7 @@ def main(argv=None) -> None:
     from bench.grpo_step import measure_ceilings, recipe
 
     args = _parse(argv)
+    variants = parse_variants(args.variants)  # a bad one ends here, before any model is built
     args.prompts = args.completion_cap = args.num_iterations = 0  # the recipe as it is (bench.grpo_step.recipe)
     args.optim = ""
     if not torch.cuda.is_available():
@@ -203,14 +238,19 @@ def main(argv=None) -> None:
     train_cfg, size = recipe(args)
     bandwidth, _ = measure_ceilings("cuda")
     rows = []
-    for mode in args.modes.split(","):
-        rows += run_mode(args, mode, train_cfg, size, bandwidth)
-        # the finished mode's engine, graphs and model sit in reference cycles: collected here, after run_mode's
-        # locals are gone, or the next mode's KV pool is sized without their memory
-        gc.collect()
-        torch.cuda.empty_cache()
+    for name, env in variants:
+        for mode in args.modes.split(","):
+            with environment(env):
+                found = run_mode(args, mode, train_cfg, size, bandwidth)
+            rows += [dict(r, mode=r["mode"] if len(variants) == 1 else f"{r['mode']} [{name}]", variant=name)
+                     for r in found]
+            # the finished mode's engine, graphs and model sit in reference cycles: collected here, after run_mode's
+            # locals are gone, or the next mode's KV pool is sized without their memory
+            gc.collect()
+            torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), experiment=args.experiment, size=size, compile=args.compile,
-                  copy_GBps=bandwidth / 1e9, prompt_len=args.prompt_len, tokens=args.tokens, rows=rows)
+                  copy_GBps=bandwidth / 1e9, prompt_len=args.prompt_len, tokens=args.tokens,
+                  variants=[name for name, _ in variants], rows=rows)
     table = markdown(result)
     print(table)
     out = Path(args.out)
