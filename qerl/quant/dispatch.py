@@ -24,7 +24,7 @@ from qerl.errors import QerlError
 from qerl.quant import side_stream
 from qerl.quant.kernels import cuda_fp4, humming_fp4
 from qerl.quant.kernels.device import auto_on_off, capability, device_index, pdl_mode
-from qerl.quant.operands import check_operands, lora_adapter, segment_bounds
+from qerl.quant.operands import check_operands, lora_adapter, segment_bounds, stack_bounds
 from qerl.quant.reference import reference_fp4_lora_matmul, reference_fp4_matmul, reference_fp4_matmul_t
 
 __all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "HUMMING_MAX_ROWS", "HUMMING_MIN_ROWS", "HUMMING_TABLE_ROWS", "KERNELS",
@@ -402,9 +402,8 @@ def lora_expand(base, xa, lora_b, scale, sizes=None, bias=None, lora_b_diag=None
     """base (M, N) (+ bias) + scale * xa @ B.T for up to three stacked LoRA layers (`sizes` along N; xa
     (M, segments x r) = x @ stacked A.T, B (N, r)) as one op (qerl::lora_expand): one pass over the output on CUDA
     where choose_kernel("expand") says so, torch's addmm elsewhere. Inference only (no autograd formula)."""
-    sizes = [int(v) for v in (sizes or [base.shape[1]])]
-    bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)] + [base.shape[1]] * 2
-    return _lora_expand_op(base, xa, lora_b, float(scale), bounds[0], bounds[1], bias, lora_b_diag)
+    n1, n2 = stack_bounds([int(v) for v in (sizes or [base.shape[1]])], base.shape[1])
+    return _lora_expand_op(base, xa, lora_b, float(scale), n1, n2, bias, lora_b_diag)
 
 
 def fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=None):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.quant.dispatch import fp4_lora_matmul, run_lora_expand, shrink_beside
+from qerl.quant.operands import stack_bounds
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))
 _STACKED = ("weight_packed", "weight_scale", "weight_global_scale")
@@ -205,9 +206,8 @@ class ProjectionGroup:
 
     def _dense_lora(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x2 @ weight.T (+ bias) + every member's B product: one op, x @ A.T beside the GEMM."""
-        bounds = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes) - 1)] + [weight.shape[0]] * 2
-        return _dense_lora_op(x2, weight, bias, self.lora_a, self.lora_b, self.scaling, bounds[0], bounds[1],
-                              self.lora_b_diag)
+        n1, n2 = stack_bounds(self.sizes, weight.shape[0])
+        return _dense_lora_op(x2, weight, bias, self.lora_a, self.lora_b, self.scaling, n1, n2, self.lora_b_diag)
 
     def _usable(self, x: torch.Tensor) -> bool:
         first = self.members[0]

@@ -62,5 +62,10 @@ def segment_bounds(segments, n: int, weight_global_scale: torch.Tensor) -> tuple
     if weight_global_scale.numel() != len(segments):
         raise QerlError(f"weight_global_scale: expected one per segment ({len(segments)}), got "
                         f"{weight_global_scale.numel()}")
-    bounds = [sum(segments[:i + 1]) for i in range(len(segments) - 1)] + [n, n]
+    return stack_bounds(segments, n)
+
+
+def stack_bounds(sizes, n: int) -> tuple[int, int]:
+    """(N1, N2): where the second and the third of up to three members stacked along N start; n for absent ones."""
+    bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)] + [n, n]
     return bounds[0], bounds[1]
