@@ -14,6 +14,7 @@ HUMMING_CACHE_DIR, QERL_CUDA_CACHE_DIR) wins.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -67,21 +68,18 @@ def dynamo_compile_seconds() -> float:
 # our @triton.jit kernels' first launches in this process, each a compile or a load from Triton's disk cache
 TRITON_JIT = {"seconds": 0.0, "kernels": 0}
 _TRITON_PENDING: dict[str, float] = {}
-_TRITON_CLOCK: list[bool] = []
 
 
+@functools.cache  # once per process: a second install would chain the clock to itself
 def install_triton_clock() -> bool:
     """Time every first launch of a @triton.jit kernel into TRITON_JIT, through Triton's JIT hooks (chained to any
     set before); once per process. False where this Triton has no such hooks. Inductor's kernels are not counted
     here: their compile is torch.compile's."""
-    if _TRITON_CLOCK:
-        return _TRITON_CLOCK[0]
     try:
         from triton import knobs
         runtime = knobs.runtime
         before_cache, before_post = runtime.jit_cache_hook, runtime.jit_post_compile_hook
     except (ImportError, AttributeError):
-        _TRITON_CLOCK.append(False)
         return False
 
     def cache_hook(*, key, **kw):
@@ -96,7 +94,6 @@ def install_triton_clock() -> bool:
         return before_post(key=key, **kw) if before_post else None
 
     runtime.jit_cache_hook, runtime.jit_post_compile_hook = cache_hook, post_hook
-    _TRITON_CLOCK.append(True)
     return True
 
 

@@ -48,7 +48,7 @@ def test_the_triton_clock_times_first_launches_and_chains_the_hooks_set_before(m
     seen = []
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(("cache", kw["key"])) or None)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(("post", kw["key"])))
-    monkeypatch.setattr(compile_cache, "_TRITON_CLOCK", [])
+    compile_cache.install_triton_clock.cache_clear()
     monkeypatch.setattr(compile_cache, "TRITON_JIT", {"seconds": 0.0, "kernels": 0})
     assert compile_cache.install_triton_clock() and compile_cache.install_triton_clock()  # once: no double chain
     clock = compile_cache.CompileClock()
@@ -58,3 +58,4 @@ def test_the_triton_clock_times_first_launches_and_chains_the_hooks_set_before(m
     summary = clock.summary()
     assert summary["triton_kernels"] == 1 and 0 <= summary["triton_jit_s"] < 5
     assert seen == [("cache", ("k", 1)), ("post", ("k", 1)), ("post", ("other",))]
+    compile_cache.install_triton_clock.cache_clear()  # the hooks go back with monkeypatch: so does the once-flag
