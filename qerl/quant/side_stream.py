@@ -1,7 +1,7 @@
 """LoRA's x @ A.T beside the base GEMM: launched on a second CUDA stream, so that it runs while the base matmul
 (humming's W4A16 GEMM, cuBLAS over a dense copy or a bf16 weight) streams its weights, instead of before it.
 
-    xa, join = beside(lambda out: small_matmul_into(x2, lora_a, out), (m, r), x2)
+    xa, join = beside(lambda out: torch.matmul(x2, lora_a.T, out=out), (m, r), x2)   # dispatch.shrink_beside
     base = gemm(x2)          # on the current stream, concurrently with x @ A.T
     join()                   # the current stream waits for xa
     out = lora_expand(base, xa, ...)
@@ -15,11 +15,11 @@ QERL_LORA_OVERLAP: "auto" (default) or "1" run it beside on CUDA; "0" runs it in
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from qerl.quant.kernels.device import auto_on_off
-
-_STREAMS: dict[int, torch.cuda.Stream] = {}
+from qerl.quant.kernels.device import auto_on_off, device_index
 
 
 def overlap_mode(environ=None) -> str:
@@ -27,11 +27,9 @@ def overlap_mode(environ=None) -> str:
     return auto_on_off("QERL_LORA_OVERLAP", environ)
 
 
-def _stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _STREAMS:
-        _STREAMS[index] = torch.cuda.Stream(device=index)
-    return _STREAMS[index]
+@functools.cache
+def _stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
 
 
 def in_line() -> None:
@@ -47,7 +45,7 @@ def beside(compute, shape: tuple[int, int], like: torch.Tensor):
         compute(out)
         return out, in_line
     current = torch.cuda.current_stream(like.device)
-    side = _stream(like.device)
+    side = _stream(device_index(like.device))
     side.wait_stream(current)
     with torch.cuda.stream(side):
         compute(out)
