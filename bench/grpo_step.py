@@ -43,7 +43,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="config/config.yaml")
     p.add_argument("--experiment", default="qwen7b")
-    p.add_argument("--modes", default="fp4,bf16", help="comma list of fp4, bf16")
+    p.add_argument("--modes", default="fp4,bf16", help="comma list of fp4, bf16, fp4-packed (FP4 with "
+                   "train.dense_weights false: every update over the packed weights)")
     p.add_argument("--size", default=None, help="random model size (default: the experiment's model_size)")
     p.add_argument("--prompts", type=int, default=0, help="prompts per step (0: the recipe's batch_size)")
     p.add_argument("--completion-cap", type=int, default=0, help="0: the recipe's max_completion_length")
@@ -159,9 +160,11 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     tok = AutoTokenizer.from_pretrained(shared / "tokenizers" / "qwen2.5")
     rollout = train_cfg.rollout.model_copy(update={"engine": "paged",  # the bench's engine, whatever the recipe's
                                                    "compile": "auto" if args.compile == "auto" else False})
-    cfg = train_cfg.model_copy(update={"mode": "qlora_fp4" if mode == "fp4" else "lora",
-                                       "aqn": train_cfg.aqn if mode == "fp4" else None, "rollout": rollout})
-    model = build_lora_model(size, mode, cfg.lora.lora_r, args.seed, args.device)
+    fp4 = mode.startswith("fp4")
+    packed = {"dense_weights": False} if mode == "fp4-packed" else {}
+    cfg = train_cfg.model_copy(update={"mode": "qlora_fp4" if fp4 else "lora", "aqn": train_cfg.aqn if fp4 else None,
+                                       "rollout": rollout, **packed})
+    model = build_lora_model(size, "fp4" if fp4 else mode, cfg.lora.lora_r, args.seed, args.device)
     prompts = random_prompts(tok, cfg.batch_size, args.prompt_len, args.seed)
     trainer = GRPOTrainer(cfg, model, tok, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
                           checkpoint_dir=tempfile.mkdtemp(prefix="qerl-bench-"))
@@ -223,7 +226,8 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   update_s=update_s, update_tokens=update_tokens,
                   update_tok_s=update_tokens / update_s if update_s else None,
                   update_padded_tokens_ratio=metrics.get("update/padded_tokens_ratio"),
-                  update_compiles=compiles, step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
+                  update_compiles=compiles, update_dense_copies_gib=metrics.get("update_dense_copies_gib"),
+                  step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                   rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,
                   resident_pool=stats.get("resident_pool"), update_reserve_gib=stats.get("update_bytes", 0) / 2**30,
                   # the trainer resets the peak at each update: the larger of the rollout's and the update's
@@ -264,6 +268,7 @@ def _later_step(args, trainer, engine, rows: int, cap: int, i: int) -> dict:
     stats = engine.last_stats
     return {"useful_tokens": sum(engine.lengths), "rollout_s": batch.metrics["timing/rollout"],
             "update_s": metrics["timing/update"], "step_s": time.perf_counter() - t,
+            "update_dense_copies_gib": metrics.get("update_dense_copies_gib"),
             "graph_captures": stats.get("graph_captures"), "graph_build_s": stats.get("graph_build_s"),
             "pool_kept": stats.get("pool_kept"), "humming_build_s": stats.get("humming_check_build_s", 0.0),
             **{k: v for k, v in stats.items() if k.startswith(("step_s_", "steps_", "step_wait_s_"))}}
@@ -371,6 +376,11 @@ def _table(rows: list[dict]) -> str:
                          f"{sum(x.get('humming_build_s') or 0 for x in later):.2f} s (resident pool "
                          f"{r.get('resident_pool')}, update reserve {r.get('update_reserve_gib', 0):.1f} GiB)")
     by = {r["mode"]: r for r in rows}
+    for r in rows:
+        if r.get("later_steps"):
+            copies = [x.get("update_dense_copies_gib") or 0 for x in r["later_steps"]]
+            lines.append(f"{r['mode']:10s} update over dense copies of the FP4 base (train.dense_weights): "
+                         f"{', '.join(f'{c:.1f}' for c in copies)} GiB in steps 2-{len(copies) + 1}")
     if "fp4+lora" in by and "bf16+lora" in by and by["fp4+lora"]["update_s"] and by["bf16+lora"]["update_s"]:
         f, b = by["fp4+lora"], by["bf16+lora"]
         lines.append(f"FP4/bf16: rollout tokens/s x{f['rollout_tok_s'] / b['rollout_tok_s']:.2f}, update "
@@ -409,8 +419,8 @@ def main(argv=None) -> int:
                        "steps of max(weights + running rows' KV bytes / copy bandwidth, linear-layer FLOPs of the "
                        "running rows / bf16 matmul rate), both measured in the same run", "results": []}
     for mode in [m for m in args.modes.split(",") if m]:
-        if mode not in ("fp4", "bf16"):
-            raise SystemExit(f"--modes: expected fp4 and/or bf16, got {mode!r}")
+        if mode not in ("fp4", "bf16", "fp4-packed"):
+            raise SystemExit(f"--modes: expected fp4, bf16 or fp4-packed, got {mode!r}")
         payload["results"].append(run_mode(args, mode, train_cfg, size, lengths, bandwidth, matmul_rate))
         print(_table(payload["results"]), flush=True)
         _print_profile(payload["results"][-1])

@@ -154,6 +154,8 @@ class TrainConfig(_Section):
                                     "torch.compile'd kernels (qerl.fused_elementwise); false: eager ops")
     cudnn_attention: bool = Field(False, description="cuDNN SDPA in training forwards; off: flash or "
                                   "mem-efficient, as cuDNN builds a graph per new sequence length (~7 ms each)")
+    dense_weights: bool | Literal["auto"] = Field("auto", description="the update's GEMMs over per-update dense "
+                                                  "copies of the FP4 base (qerl.update_copies); auto: where they fit")
     mixed_precision: Literal["auto", "off"] = Field(
         "auto", description="auto: a model computing in bf16/fp16 with fp32 trainable parameters (peft adapters) "
         "runs its training forward under torch.autocast in the model's dtype (LoRA matmuls in bf16 like the "
@@ -425,8 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("schema", help="print the JSON Schema as YAML")
     sub.add_parser("check", help="validate a config file").add_argument("path")
-    sub.add_parser("memory", help="estimated GPU memory per rank of each experiment, and the GPUs it needs"
-                   ).add_argument("path")
+    sub.add_parser("memory", help="estimated GPU memory per rank of each experiment, GPUs needed").add_argument("path")
     a = p.parse_args(argv)
     if a.cmd == "schema":
         yaml.safe_dump(json_schema(), sys.stdout, sort_keys=False)
@@ -439,7 +440,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {err}")
     if a.cmd == "memory":
         from qerl.memory import report_header, report_line
-
         lines = (report_line(n, e.model_size, e.quantize.scheme, e.train) for n, e in cfg.experiments.items())
         print("\n".join([report_header(), *(line for line in lines if line)]))
         return

@@ -31,7 +31,9 @@ from qerl.optim import build_optimizer
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
 from qerl.rollout.attention import sdpa_without_cudnn
+from qerl.rollout.model_state import compute_dtype
 from qerl.rollout.residency import UpdateMemory, update_reserve
+from qerl.update_copies import update_copies
 
 if TYPE_CHECKING:  # pydantic is not on the GPU image; the trainer only reads the config's attributes
     from qerl.checkpoint import Fingerprint
@@ -65,6 +67,7 @@ def engine_options(cfg: TrainConfig) -> dict[str, Any]:
     return {}
 
 class GRPOTrainer:
+    update_need: int | None = None  # bytes an update needs free, once one measured it (qerl.rollout.residency)
     def __init__(self, cfg: TrainConfig, model, tokenizer, prompts: list[list[int]], answers: list[str],
                  reward_fns: list[tuple[str, Callable, float]], *, checkpoint_dir: str | Path,
                  fingerprint: Fingerprint | None = None,
@@ -156,8 +159,7 @@ class GRPOTrainer:
         lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float32)
         clipped = torch.tensor([r == "length" for r in out.finish_reasons], dtype=torch.float32)
         surprise = torch.tensor([-sum(lp) for lp in out.logprobs], dtype=torch.float32)  # for rollout/entropy
-        table = self.ranks.all_gather(torch.cat([values, surprise[:, None], lengths[:, None], clipped[:, None]],
-                                                dim=1))
+        table = self.ranks.all_gather(torch.cat([values, surprise[:, None], lengths[:, None], clipped[:, None]], 1))
         rewards = self._weighted_total(table[:, :-3])
         adv = group_advantages(rewards, g, self.cfg.scale_rewards)[groups.start * g:groups.stop * g]
         batch = self.collate(out, adv)
@@ -252,14 +254,13 @@ class GRPOTrainer:
         return next(iter(half)) if len(half) == 1 and trained == {torch.float32} else None
 
     def _forward_precision(self, backward: bool = False):
-        """torch.autocast in the model's half dtype with peft's fp32 input casts off, or nothing. For backward
-        only the casts are off: gradient checkpointing re-runs the forward there (under the autocast state it
-        recorded) and must not make the fp32 input copies the forward avoided. Both leave cuDNN out of SDPA's
-        backends unless train.cudnn_attention: each new sequence length costs cuDNN a graph build on the host
-        (~7 ms; ~0.6 s per 7B micro-batch, measured on an H100), which stalled the GPU of FP4 updates."""
+        """torch.autocast in the model's half dtype with peft's fp32 input casts off, or nothing. For backward only
+        the casts are off: gradient checkpointing re-runs the forward there (under the autocast state it recorded)
+        and must not make the fp32 input copies the forward avoided. Both keep cuDNN out of SDPA unless
+        train.cudnn_attention: a host graph build per new length (~0.6 s per 7B micro-batch, H100) stalled the GPU."""
         stack = contextlib.ExitStack()
-        if not self.cfg.cudnn_attention:  # no cuDNN graph build per new micro-batch length (backward recomputes too)
-            stack.enter_context(sdpa_without_cudnn())
+        if not self.cfg.cudnn_attention:
+            stack.enter_context(sdpa_without_cudnn())  # backward's recompute too
         dtype = self._autocast_dtype()
         if dtype is None:
             return stack
@@ -305,20 +306,24 @@ class GRPOTrainer:
         return contextlib.nullcontext()
 
     def update(self, batch: Batch, step: int) -> dict[str, float]:
-        """num_iterations optimizer steps on this rank's rows; the loss is normalised by the whole step's token
-        and micro-batch counts (every rank's) and the gradients summed over ranks before clipping, so N ranks of
-        B/N prompts give one rank's update of B."""
+        """num_iterations optimizer steps on this rank's rows; the loss is normalised by the whole step's token and
+        micro-batch counts (every rank's) and the gradients summed over ranks before clipping: N ranks of B/N prompts
+        give one rank's update of B. Over dense copies of an FP4 base where they fit (qerl.update_copies)."""
         cfg = self.cfg
         knobs = (f"lower train.micro_batch_size (now {cfg.micro_batch_size}) or max_completion_length (now "
                  f"{cfg.max_completion_length}), or turn on gradient_checkpointing (now {cfg.gradient_checkpointing}) "
                  f"and offload_activations (now {cfg.offload_activations})")
-        if getattr(self.engine, "resident_now", False):  # its pool and graphs stay in memory during the update
-            knobs += ", or set rollout.keep_resident: false"
-        with out_of_memory_names(f"the update of step {step + 1}", knobs), UpdateMemory(self.device) as meter:
+        for key, on in (("rollout.keep_resident", getattr(self.engine, "resident_now", False)),  # pool, graphs
+                        ("train.dense_weights", cfg.mode == "qlora_fp4" and cfg.dense_weights is not False)):  # copies
+            knobs += f", or set {key}: false" if on else ""
+        with out_of_memory_names(f"the update of step {step + 1}", knobs), \
+                update_copies(self.model, compute_dtype(self.model), cfg.dense_weights, self.update_need) as made, \
+                UpdateMemory(self.device) as meter:
             metrics = self._update(batch, step)
+        metrics["update_dense_copies_gib"], longest = made / 2**30, cfg.max_prompt_length + cfg.max_completion_length
+        self.update_need = update_reserve(meter.growth, batch.input_ids.shape[1], longest)  # without the copies
         if hasattr(self.engine, "plan_update"):  # what later updates need free beside a resident engine
-            self.engine.plan_update(update_reserve(meter.growth, batch.input_ids.shape[1],
-                                                   cfg.max_prompt_length + cfg.max_completion_length))
+            self.engine.plan_update(None if self.update_need is None else self.update_need + made)
         return metrics
 
     def _update(self, batch: Batch, step: int) -> dict[str, float]:

@@ -15,7 +15,7 @@ from qerl.quant.format import MXFP4_GROUP, NVFP4_GROUP, dequantize, quantize_nvf
 from qerl.quant.dispatch import TMA_DENSE_MIN_ROWS, fp4_matmul, fp4_matmul_t
 
 FORMATS = ("nvfp4", "mxfp4")
-DENSE_COPY_ATTR = "dense_copy"  # a rollout's dequantized weight (qerl.quant.dense_copies); not a buffer
+DENSE_COPY_ATTR = "dense_copy"  # a dequantized weight for a rollout or an update (qerl.quant.dense_copies)
 DENSE_COPY_MIN_ROWS = TMA_DENSE_MIN_ROWS  # from here choose_kernel itself dequantizes + cuBLAS on sm_90
 _FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
 
@@ -44,6 +44,22 @@ class FP4LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[4]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         return grad_x, None, None, None, grad_bias
+
+
+class DenseCopyFunction(torch.autograd.Function):
+    """y = x @ W.T + b over a frozen dense copy W held by reference, not saved: saved-tensor hooks (activation
+    offloading) would copy the whole weight to the host on every forward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.weight, ctx.bias_grad = weight, bias is not None and bias.requires_grad
+        return F.linear(x, weight, None if bias is None else bias.to(weight.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x = grad_out @ ctx.weight if ctx.needs_input_grad[0] else None
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.bias_grad else None
+        return grad_x, None, grad_bias
 
 
 class FP4Linear(nn.Module):
@@ -108,7 +124,12 @@ class FP4Linear(nn.Module):
                           dtype or self.compute_dtype)
 
     def lora_base_ops(self, dtype: torch.dtype):
-        """(forward(x), input_grad(g)) of this frozen layer in dtype, for qerl.fused_lora."""
+        """(forward(x), input_grad(g)) of this frozen layer in dtype, for qerl.fused_lora: over an update's dense
+        copy where it has one in dtype (the same values, without a dequantize per call), else the packed weight."""
+        copy = self.__dict__.get(DENSE_COPY_ATTR)
+        if copy is not None and copy.dtype == dtype:
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return (lambda x: F.linear(x, copy, bias)), (lambda g: g @ copy)
         wp, ws, gs = self.weight_packed, self.weight_scale, self.weight_global_scale
 
         def forward(x):
@@ -117,18 +138,21 @@ class FP4Linear(nn.Module):
         return forward, (lambda g: fp4_matmul_t(g, wp, ws, gs))
 
     def dense_copy_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The rollout's dense copy of the weight when this call should use it: inference (no autograd), x in
-        the copy's dtype, at least DENSE_COPY_MIN_ROWS rows (fewer: the FP4 kernels read 4x fewer bytes), any
-        rows on the CPU (no FP4 kernel there: the reference dequantizes the whole weight on every call)."""
+        """The dense copy of the weight (qerl.quant.dense_copies) when this call should use it, x in its dtype:
+        a training forward always (its GEMMs are compute-bound: the copy saves a dequantize per call, forward and
+        backward); inference from DENSE_COPY_MIN_ROWS rows (fewer: the FP4 kernels read 4x fewer bytes), any rows
+        on the CPU (no FP4 kernel there: the reference dequantizes the whole weight on every call)."""
         weight = self.__dict__.get(DENSE_COPY_ATTR)
-        if weight is None or torch.is_grad_enabled() or x.dtype != weight.dtype:
+        if weight is None or x.dtype != weight.dtype:
             return None
+        if torch.is_grad_enabled():
+            return weight
         return weight if dense_copy_used(x.device.type, x.numel() // max(x.shape[-1], 1)) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dense_copy_for(x)
         if weight is not None:
-            return F.linear(x, weight, None if self.bias is None else self.bias.to(weight.dtype))
+            return DenseCopyFunction.apply(x, weight, self.bias)
         return FP4LinearFunction.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale,
                                        self.bias)
 
