@@ -13,11 +13,6 @@ kernels (grad_input, many-row forwards) still read: the copy costs the packed we
 Numerics: codes and group scales are taken bit for bit; the global scale is applied as its FP32 reciprocal (one
 scale per tensor; per output channel in the activation dtype when stacked weights carry different global scales,
 which llmcompressor's fused q/k/v and gate/up scales avoid). Accumulation is FP32, the output in x's dtype.
-
-act="fp8" (W4A8): humming quantizes each row of x to FP8 E4M3 with its own FP32 scale (amax / 448) in a kernel
-before the GEMM, and the GEMM runs on Hopper's FP8 tensor cores (twice bf16's rate): the result is no longer the
-bf16 product, so only a rollout that corrects for it (the trainer's importance sampling) may use it. Its repacked
-copy is kept apart from the W4A16 one (another attribute on the packed tensor).
 """
 from __future__ import annotations
 
@@ -30,11 +25,10 @@ import torch
 
 from qerl.quant.kernels.device import capability, device_index
 
-__all__ = ["ACTS", "PREPARE", "available", "clear", "copies_nbytes", "dequantize_humming", "drop", "fits",
+__all__ = ["PREPARE", "available", "clear", "copies_nbytes", "dequantize_humming", "drop", "fits",
            "fp4_matmul_humming", "has_copy", "humming_weight", "refresh_stale", "tuning_intervals"]
 
-ACTS = ("a16", "fp8")  # activations as x's dtype (W4A16), or quantized per row to FP8 E4M3 (W4A8)
-_ATTRS = {"a16": "_qerl_humming", "fp8": "_qerl_humming_fp8"}  # the repacked copies, kept on the packed tensor
+_ATTR = "_qerl_humming"  # the repacked copy, kept on the packed weight tensor itself
 PREPARE = {"seconds": 0.0, "kernels": 0, "layers": 0}  # humming's JIT work in this process (qerl.compile_cache)
 _PREPARED: set = set()  # (layer config, table) strings prepared in this process: later builds hit humming's memo
 
@@ -89,11 +83,11 @@ class HummingWeight:
     """One packed NVFP4 weight (up to three stacked along N) in humming's layout, and its layer config."""
 
     def __init__(self, weight_packed, weight_scale, weight_global_scale, segments, dtype: torch.dtype,
-                 rows: tuple[int, ...] | None = None, act: str = "a16"):
+                 rows: tuple[int, ...] | None = None):
         h = _humming()
         n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
         self.key = self._key(weight_packed, weight_scale, weight_global_scale, segments, dtype)
-        self.dtype, self.act = dtype, act
+        self.dtype = dtype
         ct = h["schema"].CompressedTensorsWeightSchema(format="nvfp4-pack-quantized", type="float", num_bits=4,
                                                        strategy="tensor_group", group_size=16)
         gs = weight_global_scale.reshape(-1).float()
@@ -105,11 +99,7 @@ class HummingWeight:
                 convert_symmetric_integer=False)
             self.schema = wschema
             self.converted = tensors  # humming's schema, before its tile layout: what dequantize_humming reads
-            if act == "fp8":  # per-row dynamic FP8 E4M3, FP32 row scales
-                ischema = h["schema"].HummingInputSchema(a_dtype=h["dtypes"].float8e4m3, input_scale_dtype=h[
-                    "dtypes"].float32, input_quant_mode="dynamic_token")
-            else:
-                ischema = h["schema"].HummingInputSchema(a_dtype=h["dtypes"].DataType.from_torch_dtype(dtype))
+            ischema = h["schema"].HummingInputSchema(a_dtype=h["dtypes"].DataType.from_torch_dtype(dtype))
             self.config = h["transform"].prepare_layer_config(
                 shape_n=n, shape_k=k, weight_schema=wschema, input_schema=ischema, torch_dtype=dtype,
                 device=weight_packed.device, tensors=dict(tensors))
@@ -181,24 +171,22 @@ def _tracked() -> list[torch.Tensor]:
 
 
 def humming_weight(weight_packed, weight_scale, weight_global_scale, segments=None,
-                   dtype: torch.dtype = torch.bfloat16, rows: tuple[int, ...] | None = None,
-                   act: str = "a16") -> HummingWeight:
-    """The repacked copy of this packed weight for activations in `dtype` (act "fp8": quantized to FP8 per row,
-    the output in `dtype`): built on first use, rebuilt (into the same tensors) when any operand was changed in
-    place or replaced. `rows`: the row counts whose kernels it compiles (tuning_intervals; None: humming's whole
-    table), fixed by the copy's first build."""
+                   dtype: torch.dtype = torch.bfloat16, rows: tuple[int, ...] | None = None) -> HummingWeight:
+    """The repacked copy of this packed weight for activations in `dtype`: built on first use, rebuilt (into the
+    same tensors) when any operand was changed in place or replaced. `rows`: the row counts whose kernels it
+    compiles (tuning_intervals; None: humming's whole table), fixed by the copy's first build."""
     segments = tuple(segments or (weight_packed.shape[0],))
-    held = weight_packed.__dict__.get(_ATTRS[act])
+    held = weight_packed.__dict__.get(_ATTR)
     key = HummingWeight._key(weight_packed, weight_scale, weight_global_scale, segments, dtype)
     if held is not None and held.key == key:
         return held
     fresh = HummingWeight(weight_packed, weight_scale, weight_global_scale, segments, dtype,
-                          held.rows if held is not None else rows, act)
+                          held.rows if held is not None else rows)
     if held is not None and held.key[-2:] == key[-2:] and \
             all(held.tensors[n].shape == t.shape for n, t in fresh.tensors.items()):
         held.refresh_from(fresh)
         return held
-    weight_packed.__dict__[_ATTRS[act]] = fresh
+    weight_packed.__dict__[_ATTR] = fresh
     _track(weight_packed)
     return fresh
 
@@ -208,19 +196,17 @@ def refresh_stale() -> int:
     Engines call it before replaying captured graphs, which read the copies without asking humming_weight."""
     stale = 0
     for t in _tracked():
-        for act, attr in _ATTRS.items():
-            held = t.__dict__.get(attr)
-            ops = [ref() for ref in held.operands] if held is not None else []
-            if ops and None not in ops and HummingWeight._key(*ops, held.segments, held.dtype) != held.key:
-                humming_weight(*ops, held.segments, held.dtype, act=act)
-                stale += 1
+        held = t.__dict__.get(_ATTR)
+        ops = [ref() for ref in held.operands] if held is not None else []
+        if ops and None not in ops and HummingWeight._key(*ops, held.segments, held.dtype) != held.key:
+            humming_weight(*ops, held.segments, held.dtype)
+            stale += 1
     return stale
 
 
-def has_copy(weight_packed: torch.Tensor, act: str = "a16") -> bool:
-    """Whether this packed weight holds a repacked copy for `act` now (QERL_FP4_HUMMING=auto only uses existing
-    ones)."""
-    return _ATTRS[act] in weight_packed.__dict__
+def has_copy(weight_packed: torch.Tensor) -> bool:
+    """Whether this packed weight holds a repacked copy now (QERL_FP4_HUMMING=auto only uses existing ones)."""
+    return _ATTR in weight_packed.__dict__
 
 
 def fits(weight_packed: torch.Tensor) -> bool:
@@ -229,9 +215,8 @@ def fits(weight_packed: torch.Tensor) -> bool:
 
 
 def drop(weight_packed: torch.Tensor) -> None:
-    """Drop this packed weight's copies, if it holds any."""
-    for attr in _ATTRS.values():
-        weight_packed.__dict__.pop(attr, None)
+    """Drop this packed weight's copy, if it holds one."""
+    weight_packed.__dict__.pop(_ATTR, None)
     ref = _live.get(id(weight_packed))
     if ref is not None and ref() is weight_packed:
         del _live[id(weight_packed)]
@@ -239,7 +224,7 @@ def drop(weight_packed: torch.Tensor) -> None:
 
 def copies_nbytes() -> int:
     """Bytes held by the repacked copies alive now."""
-    return sum(t.__dict__[a].nbytes() for t in _tracked() for a in _ATTRS.values() if a in t.__dict__)
+    return sum(t.__dict__[_ATTR].nbytes() for t in _tracked() if _ATTR in t.__dict__)
 
 
 def clear() -> None:
@@ -256,8 +241,7 @@ def dequantize_humming(weight_packed, weight_scale, weight_global_scale, segment
 
 
 def fp4_matmul_humming(x2: torch.Tensor, weight_packed, weight_scale, weight_global_scale, segments,
-                       out: torch.Tensor, act: str = "a16") -> torch.Tensor:
-    """out (M, N) = x2 (M, K) @ deq(W).T on humming's kernel (its own tile heuristics per M); act "fp8": with x2
-    quantized to FP8 per row first (W4A8)."""
-    hw = humming_weight(weight_packed, weight_scale, weight_global_scale, segments, x2.dtype, act=act)
+                       out: torch.Tensor) -> torch.Tensor:
+    """out (M, N) = x2 (M, K) @ deq(W).T on humming's kernel (its own tile heuristics per M)."""
+    hw = humming_weight(weight_packed, weight_scale, weight_global_scale, segments, x2.dtype)
     return hw.run(x2.contiguous(), out)
