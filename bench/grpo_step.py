@@ -182,8 +182,10 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                                     args.device, cfg.seed), 0)
     sync(args.device)
     warm_s = time.perf_counter() - t
-    compiled = clock.summary()
+    compiled, triton_by_kernel = clock.summary(), clock.triton_by_kernel()
     print(f"{mode}: built and warmed up in {warm_s:.1f} s; timing the step", flush=True)  # a call cut short says where
+    for name, v in sorted(triton_by_kernel.items(), key=lambda kv: -kv[1]["seconds"])[:10]:
+        print(f"  Triton JIT {name}: {v['kernels']} specializations, {v['seconds']:.1f} s", flush=True)
     warm_peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0  # a full-length micro-batch
     del warm
     engine.lengths, engine.progress_s = lengths, args.progress_s
@@ -208,7 +210,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   warmup_torch_compile_s=compiled["torch_compile_s"],
                   warmup_humming_s=compiled["humming_prepare_s"], warmup_humming_kernels=compiled["humming_kernels"],
                   warmup_cuda_build_s=compiled["cuda_build_s"], warmup_triton_jit_s=compiled["triton_jit_s"],
-                  warmup_triton_kernels=compiled["triton_kernels"],
+                  warmup_triton_kernels=compiled["triton_kernels"], warmup_triton_by_kernel=triton_by_kernel,
                   rollout_s=rollout_s, rollout_tok_s=sum(lengths) / rollout_s, decode_steps=stats.get("steps"),
                   preemptions=stats.get("preemptions"), peak_running=stats.get("peak_running"),
                   dense_copy_gib=stats.get("dense_copy_bytes", 0) / 2**30,

@@ -1,6 +1,8 @@
 """qerl.compile_cache: one root for the inductor, Triton and humming caches; the user's own variables win."""
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from qerl import compile_cache
@@ -49,13 +51,20 @@ def test_the_triton_clock_times_first_launches_and_chains_the_hooks_set_before(m
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(("cache", kw["key"])) or None)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(("post", kw["key"])))
     compile_cache.install_triton_clock.cache_clear()
-    monkeypatch.setattr(compile_cache, "TRITON_JIT", {"seconds": 0.0, "kernels": 0})
+    monkeypatch.setattr(compile_cache, "TRITON_JIT", {"seconds": 0.0, "kernels": 0, "by_kernel": {}})
     assert compile_cache.install_triton_clock() and compile_cache.install_triton_clock()  # once: no double chain
+    fn = types.SimpleNamespace(name="_mm_kernel", module="qerl.x")  # Triton's JitFunctionInfo
+    knobs.runtime.jit_cache_hook(key=("k", 0), repr="f(M: i32)", fn=fn)  # before the clock: not in its summary
+    knobs.runtime.jit_post_compile_hook(key=("k", 0), repr="f(M: i32)", fn=fn)
     clock = compile_cache.CompileClock()
-    assert knobs.runtime.jit_cache_hook(key=("k", 1), repr="f") is None  # None: Triton compiles
-    knobs.runtime.jit_post_compile_hook(key=("k", 1), repr="f")
+    assert knobs.runtime.jit_cache_hook(key=("k", 1), repr="f(M: i32D)", fn=fn) is None  # None: Triton compiles
+    knobs.runtime.jit_post_compile_hook(key=("k", 1), repr="f(M: i32D)", fn=fn)
     knobs.runtime.jit_post_compile_hook(key=("other",), repr="g")  # never started here (inductor's): not counted
     summary = clock.summary()
     assert summary["triton_kernels"] == 1 and 0 <= summary["triton_jit_s"] < 5
-    assert seen == [("cache", ("k", 1)), ("post", ("k", 1)), ("post", ("other",))]
+    by = clock.triton_by_kernel()
+    assert list(by) == ["_mm_kernel"] and by["_mm_kernel"]["kernels"] == 1 and by["_mm_kernel"]["reprs"] == [
+        "f(M: i32D)"]
+    assert seen == [("cache", ("k", 0)), ("post", ("k", 0)), ("cache", ("k", 1)), ("post", ("k", 1)),
+                    ("post", ("other",))]
     compile_cache.install_triton_clock.cache_clear()  # the hooks go back with monkeypatch: so does the once-flag
