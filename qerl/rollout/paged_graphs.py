@@ -28,6 +28,7 @@ import warnings
 
 import torch
 
+from qerl.quant.kernels.device import decode_step_launches
 from qerl.rollout.paged_attention import PagedMeta, paged_step
 from qerl.rollout.sampling import sample_tokens
 
@@ -189,7 +190,8 @@ class DecodeGraphs:
         side = torch.cuda.Stream() if self.capture_ok else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext(), \
+                decode_step_launches() if side is not None else contextlib.nullcontext():  # the capture's kernels
             try:
                 self._body(size)
             except Exception as exc:  # noqa: BLE001 - a compile failure: the step again, uncompiled (idempotent)

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from qerl.errors import QerlError
+from qerl.quant.kernels.device import decode_step_launches
 from qerl.rollout.attention import attention_implementation
 from qerl.rollout.kv_pool import bytes_per_token, kv_shape
 from qerl.rollout.sampling import StopChecker, sample_tokens
@@ -147,7 +148,7 @@ class StaticDecoder:
             engine.stats["graph_replays"] += 1
             return
         if not engine.use_cuda_graph or self.eager_steps < WARMUP_STEPS:
-            self._eager_step()
+            self._eager_step(warm_up=engine.use_cuda_graph)
             return
         counters = [layer.cumulative_length.clone() for layer in self.cache.layers]
         try:
@@ -165,13 +166,15 @@ class StaticDecoder:
         graph.replay()  # capturing records the step without running it
         engine.stats["graph_replays"] += 1
 
-    def _eager_step(self):
-        """One step eagerly (on CUDA on a side stream, as graph warm-up wants); a compile failure falls back."""
+    def _eager_step(self, warm_up: bool = False):
+        """One step eagerly (on CUDA on a side stream, as graph warm-up wants); a compile failure falls back.
+        warm_up: the step is captured next, so its kernels launch as the capture's (decode_step_launches)."""
         self.eager_steps += 1
         side = torch.cuda.Stream() if self.engine.device.type == "cuda" else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext(), \
+                decode_step_launches() if warm_up and side is not None else contextlib.nullcontext():
             if self.engine.use_compile:
                 self._compiled_eager_step()
             else:

@@ -3,6 +3,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -19,17 +21,34 @@ def auto_on_off(name: str, environ=None) -> str:
 
 def pdl_mode() -> str:
     """QERL_PDL: "auto" (default: programmatic dependent launch on sm_90+ while a CUDA graph is being captured, the
-    decode step's case), "1" (on sm_90+ for every launch), "0" (off). With it a launch starts loading its weights
-    while the previous kernel finishes: the FP4 base must not be written by the kernel just before the matmul
-    (it never is in a captured decode step; "1" puts eager launches under the same rule)."""
+    decode step's case, and in that step's eager warm-up: decode_step_launches), "1" (on sm_90+ for every launch),
+    "0" (off). With it a launch starts loading its weights while the previous kernel finishes: the FP4 base must
+    not be written by the kernel just before the matmul (it never is in a decode step; "1" puts every eager launch
+    under the same rule)."""
     return auto_on_off("QERL_PDL")
+
+
+_DECODE_STEP = contextvars.ContextVar("qerl_decode_step_launches", default=False)
+
+
+@contextlib.contextmanager
+def decode_step_launches():
+    """The eager run of a decode step that is captured next (its warm-up): launches as in the captured graph, with
+    PDL under "auto", so that they compile the kernels the capture replays (launch_pdl is a Triton compile option:
+    otherwise each kernel compiled once for the warm-up and once more for the capture). The same step, the same
+    kernel order: what makes PDL safe in the graph makes it safe here."""
+    token = _DECODE_STEP.set(True)
+    try:
+        yield
+    finally:
+        _DECODE_STEP.reset(token)
 
 
 def use_pdl(device_index: int) -> bool:
     how = pdl_mode()
     if how == "0" or not hopper(device_index):
         return False
-    return how == "1" or torch.cuda.is_current_stream_capturing()
+    return how == "1" or torch.cuda.is_current_stream_capturing() or _DECODE_STEP.get()
 
 
 def device_index(device: torch.device) -> int:
