@@ -116,6 +116,8 @@ class PagedEngine(RolloutEngine):
         self.allocator: BlockAllocator | None = None  # the last call's, for inspection
         self.stats: dict = {}
         on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            compile_cache.install_triton_clock()  # the first call's log names our Triton kernels' JIT seconds too
         self.lora_dtype = (compute_dtype(model) if on_cuda else None) if lora_dtype == "auto" else lora_dtype
         self._shadows: dict[int, torch.nn.Parameter] = {}  # id(adapter weight) -> its copy in lora_dtype
         self._groups: list = []
@@ -172,10 +174,9 @@ class PagedEngine(RolloutEngine):
                           **{f"step_s_{k}": v for k, v in seconds.items()},
                           **{f"step_wait_s_{k}": v for k, v in waits.items()},
                           **{f"steps_{k}": v for k, v in counts.items()})
-        return RolloutOutput(
-            prompt_ids=[p for p in prompts for _ in range(n)],
-            completion_ids=[s.output for s in sched.seqs], logprobs=[s.logprobs for s in sched.seqs],
-            finish_reasons=[s.finish_reason for s in sched.seqs], stats=dict(self.stats))
+        return RolloutOutput(prompt_ids=[p for p in prompts for _ in range(n)],
+                             completion_ids=[s.output for s in sched.seqs], logprobs=[s.logprobs for s in sched.seqs],
+                             finish_reasons=[s.finish_reason for s in sched.seqs], stats=dict(self.stats))
 
     def fuse_projections(self, kinds=("fp4", "dense")) -> int:
         """Group the projections of these layer kinds (after ungrouping any); returns the number of groups."""
@@ -187,8 +188,7 @@ class PagedEngine(RolloutEngine):
         """Give the grouped layers their own weights back; later calls run them one by one."""
         self.release()  # dense copies are stacked per group
         ungroup_projections(self._groups)
-        self._groups = []
-        self._graphs, self._compiled = None, None  # captured / traced with the grouped layer forwards
+        self._groups, self._graphs, self._compiled = [], None, None  # graphs: captured with the grouped forwards
 
     def release(self) -> None:
         """Give the KV pool's and the dense copies' memory back (the next call allocates new ones)."""
@@ -419,17 +419,17 @@ def _step_bin(rows: int, decode: bool) -> str:
 
 
 def _log_compiles(times: dict) -> dict:
-    """One log line when this call compiled for over a second (a first rollout), saying what and where it is kept;
-    the seconds also go to the call's stats."""
-    spent = times["torch_compile_s"] + times["humming_prepare_s"] + times["cuda_build_s"]
+    """One log line when this call compiled for over a second (a first rollout): what, where it is kept; stats."""
+    triton_s = times.get("triton_jit_s", 0.0)
+    spent = times["torch_compile_s"] + times["humming_prepare_s"] + times["cuda_build_s"] + triton_s
     if spent > 1.0:
         log.info("rollout: %.1f s of this %.1f s call compiled: torch.compile of the decoder layers %.1f s, humming "
-                 "%d kernels %.1f s, qerl's CUDA kernels %.1f s (the rest of the build: Triton JIT, warm-up steps, "
-                 "captures); kept for later runs under %s", spent, times["wall_s"], times["torch_compile_s"],
-                 times["humming_kernels"], times["humming_prepare_s"], times["cuda_build_s"],
-                 compile_cache.cache_root() or "each library's default cache")
+                 "%d kernels %.1f s, qerl's CUDA kernels %.1f s, qerl's Triton kernels %d specializations %.1f s (the "
+                 "rest of the build: warm-up steps, captures); kept for later runs under %s", spent, times["wall_s"],
+                 times["torch_compile_s"], times["humming_kernels"], times["humming_prepare_s"], times["cuda_build_s"],
+                 times.get("triton_kernels", 0), triton_s, compile_cache.cache_root() or "each library's default cache")
     return {"compile_torch_s": times["torch_compile_s"], "compile_humming_s": times["humming_prepare_s"],
-            "compile_cuda_s": times["cuda_build_s"]}
+            "compile_cuda_s": times["cuda_build_s"], "compile_triton_s": triton_s}
 
 
 def _decode_only(chunks) -> bool:

@@ -412,13 +412,15 @@ def test_gpu_fp4_rollout_on_humming_copies_matches_our_kernels_and_gives_the_mem
 def test_a_call_that_compiled_logs_each_library_and_returns_its_seconds(caplog):
     from qerl.rollout.paged_engine import _log_compiles
 
-    times = dict(wall_s=40.0, torch_compile_s=0.4, humming_prepare_s=0.3, humming_kernels=2, cuda_build_s=2.4)
+    times = dict(wall_s=40.0, torch_compile_s=0.4, humming_prepare_s=0.3, humming_kernels=2, cuda_build_s=2.4,
+                 triton_jit_s=1.5, triton_kernels=7)
     with caplog.at_level("INFO", logger="qerl.rollout.paged"):
         out = _log_compiles(times)
-    assert out == {"compile_torch_s": 0.4, "compile_humming_s": 0.3, "compile_cuda_s": 2.4}
+    assert out == {"compile_torch_s": 0.4, "compile_humming_s": 0.3, "compile_cuda_s": 2.4, "compile_triton_s": 1.5}
     (line,) = [r.getMessage() for r in caplog.records]
-    assert "3.1 s of this 40.0 s call compiled" in line and "qerl's CUDA kernels 2.4 s" in line
+    assert "4.6 s of this 40.0 s call compiled" in line and "qerl's CUDA kernels 2.4 s" in line
+    assert "qerl's Triton kernels 7 specializations 1.5 s" in line
     caplog.clear()
     with caplog.at_level("INFO", logger="qerl.rollout.paged"):
-        _log_compiles(dict(times, cuda_build_s=0.0))  # 0.7 s: nothing worth a line
+        _log_compiles(dict(times, cuda_build_s=0.0, triton_jit_s=0.0))  # 0.7 s: nothing worth a line
     assert not caplog.records
