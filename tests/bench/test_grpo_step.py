@@ -103,3 +103,16 @@ def test_rollout_floor_seconds_take_the_larger_of_bytes_and_flops_per_step(monke
 def test_decode_matmul_params_count_every_linear_layer_but_not_the_embedding():
     model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 50))
     assert grpo_step.decode_matmul_params(model) == 8 * 16 + 16 * 50
+
+
+def test_fp4_packed_mode_runs_every_update_over_the_packed_weights(tmp_path):
+    """--modes fp4,fp4-packed: the same FP4 step, its updates over dense copies of the base (the CPU host rule
+    admits a tiny model's) and over the packed weights (train.dense_weights false)."""
+    out = tmp_path / "packed.json"
+    assert grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", "fp4,fp4-packed", "--prompts", "1",
+                           "--completion-cap", "8", "--median", "4", "--prompt-len", "8", "--warmup-tokens", "2",
+                           "--steps", "2", "--out", str(out)]) == 0
+    copies, packed = json.loads(out.read_text())["results"]
+    assert (copies["mode"], packed["mode"]) == ("fp4+lora", "fp4-packed+lora")
+    assert copies["update_dense_copies_gib"] > 0 and copies["later_steps"][0]["update_dense_copies_gib"] > 0
+    assert packed["update_dense_copies_gib"] == 0 and packed["later_steps"][0]["update_dense_copies_gib"] == 0
