@@ -151,6 +151,8 @@ class FP4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dense_copy_for(x)
+        if weight is not None and not torch.is_grad_enabled():  # inference: no autograd node to build
+            return F.linear(x, weight, None if self.bias is None else self.bias.to(weight.dtype))
         if weight is not None:
             return DenseCopyFunction.apply(x, weight, self.bias)
         return FP4LinearFunction.apply(x, self.weight_packed, self.weight_scale, self.weight_global_scale,
