@@ -4,7 +4,8 @@
 
 The step is the experiment's own train section from config/config.yaml (prompts per step, G, micro-batch, caps,
 LoRA rank, rollout engine and its memory knob, gradient checkpointing, offload); only `mode` differs between the
-two runs (qlora_fp4 with the recipe's AQN, lora without). --prompts / --completion-cap shrink it and
+two runs (qlora_fp4 with the recipe's AQN, lora without; a third, fp4-packed, is FP4 with train.dense_weights false:
+every update over the packed weights instead of dense copies). --prompts / --completion-cap shrink it and
 --num-iterations sets the policy updates per batch (all said in the JSON). Weights are random Qwen2.5 tensors of
 the experiment's size (bench.random_models: speed and memory do not depend on the values); the reward is random
 within each group. Random weights never emit EOS, so each row ends at a length drawn from a fixed log-normal
