@@ -6,10 +6,10 @@
 An update's GEMMs are compute-bound and Hopper has no FP4 tensor cores: over the packed weight every forward,
 checkpoint recompute and grad_input pass dequantizes W again (chunked Triton dequantize + cuBLAS,
 qerl.quant.kernels.triton_dequant), and the chunked dispatch's host work starves the GPU between micro-batches
-(BENCHMARKS.md: FP4 update x0.89-0.96 of bf16 LoRA's). A dequantized copy per layer, made once per update (~10 ms
-for a 7B on an H200), gives the same bf16 GEMMs on the same values: FP4Linear reads it in training forwards
-(qerl.quant.linear.DenseCopyFunction, qerl.fused_lora's base ops) and it is dropped when the update ends, so the
-rollout's pool gets the memory back. Where the copies would not fit, nothing changes: the packed path runs.
+(BENCHMARKS.md: FP4 update x0.89-0.96 of bf16 LoRA's). A dequantized copy per layer, made once per update (a 7B's
+12.2 GiB written once instead of on every pass), gives the same bf16 GEMMs on the same values: FP4Linear reads it in
+training forwards (qerl.quant.linear.DenseCopyFunction, qerl.fused_lora's base ops) and it is dropped when the update
+ends, so the rollout's pool gets the memory back. Where the copies would not fit, nothing changes: the packed path runs.
 
 "auto" makes them on a GPU when the copies plus what the update needs (its measured growth scaled to the longest
 rows, qerl.rollout.residency.update_reserve; unknown before the first update, which runs on the packed weights)
