@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from bench.kernels import env_var
+
 # kernel-name fragments of each kind (first match wins; the rest is "other")
 KINDS = (
     ("norm_rope_act", r"^triton_"),  # inductor's fused kernels (compiled decode), whatever ops their names list
@@ -83,16 +85,10 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 @contextlib.contextmanager
 def environment(env: dict[str, str]):
     """These environment variables set for the block (the kernel switches read them at launch), then restored."""
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with contextlib.ExitStack() as stack:
+        for name, value in env.items():
+            stack.enter_context(env_var(name, value))
         yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _graph_ms(graph, replays: int) -> float:
