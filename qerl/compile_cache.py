@@ -66,8 +66,8 @@ def dynamo_compile_seconds() -> float:
 
 
 # our @triton.jit kernels' first launches in this process, each a compile or a load from Triton's disk cache
-TRITON_JIT = {"seconds": 0.0, "kernels": 0, "by_kernel": {}}  # by_kernel: name -> {kernels, seconds, reprs}
-_TRITON_PENDING: dict[str, tuple] = {}
+TRITON_JIT = {"seconds": 0.0, "kernels": 0, "by_kernel": {}}  # by_kernel: name -> {seconds, keys}
+_TRITON_PENDING: dict[str, tuple[float, str]] = {}
 
 
 @functools.cache  # once per process: a second install would chain the clock to itself
@@ -83,8 +83,7 @@ def install_triton_clock() -> bool:
         return False
 
     def cache_hook(*, key, **kw):
-        name = getattr(kw.get("fn"), "name", "?")
-        _TRITON_PENDING[str(key)] = (time.perf_counter(), name, kw.get("repr", ""))
+        _TRITON_PENDING[str(key)] = (time.perf_counter(), getattr(kw.get("fn"), "name", "?"))
         return before_cache(key=key, **kw) if before_cache else None  # a true answer skips the compile
 
     def post_hook(*, key, **kw):
@@ -93,10 +92,11 @@ def install_triton_clock() -> bool:
             seconds = time.perf_counter() - pending[0]
             TRITON_JIT["seconds"] += seconds
             TRITON_JIT["kernels"] += 1
-            one = TRITON_JIT["by_kernel"].setdefault(pending[1], {"kernels": 0, "seconds": 0.0, "reprs": []})
-            one["kernels"] += 1
+            one = TRITON_JIT["by_kernel"].setdefault(pending[1], {"seconds": 0.0, "keys": []})
             one["seconds"] += seconds
-            one["reprs"].append(pending[2])  # the specialization: which arguments made a new compile
+            # Triton's key: each argument's type and specialization and the launch options (launch_pdl among
+            # them), i.e. what made this compile a new one; its `repr` pairs the arguments with the wrong fields
+            one["keys"].append(str(key))
         return before_post(key=key, **kw) if before_post else None
 
     runtime.jit_cache_hook, runtime.jit_post_compile_hook = cache_hook, post_hook
@@ -116,8 +116,8 @@ class CompileClock:
         self.start = time.perf_counter()
         self.dynamo0 = dynamo_compile_seconds()
         self.humming0, self.cuda0 = dict(self._humming), dict(self._cuda)
-        self.triton0 = {k: (len(v["reprs"]), v["seconds"]) for k, v in TRITON_JIT["by_kernel"].items()}
-        self.triton0.update(seconds=TRITON_JIT["seconds"], kernels=TRITON_JIT["kernels"])
+        self.triton0 = {"seconds": TRITON_JIT["seconds"], "kernels": TRITON_JIT["kernels"]}
+        self.triton_by_kernel0 = {k: (len(v["keys"]), v["seconds"]) for k, v in TRITON_JIT["by_kernel"].items()}
 
     def summary(self) -> dict[str, float]:
         return {"wall_s": time.perf_counter() - self.start,
@@ -129,10 +129,10 @@ class CompileClock:
                 "triton_kernels": TRITON_JIT["kernels"] - self.triton0["kernels"]}
 
     def triton_by_kernel(self) -> dict[str, dict]:
-        """Our Triton kernels compiled since the clock started, by kernel: {name: {kernels, seconds, reprs}}."""
+        """Our Triton kernels compiled since the clock started, by kernel: {name: {kernels, seconds, keys}}."""
         out = {}
         for name, v in TRITON_JIT["by_kernel"].items():
-            n0, s0 = self.triton0.get(name, (0, 0.0))
-            if len(v["reprs"]) > n0:
-                out[name] = {"kernels": len(v["reprs"]) - n0, "seconds": v["seconds"] - s0, "reprs": v["reprs"][n0:]}
+            n0, s0 = self.triton_by_kernel0.get(name, (0, 0.0))
+            if len(v["keys"]) > n0:
+                out[name] = {"kernels": len(v["keys"]) - n0, "seconds": v["seconds"] - s0, "keys": v["keys"][n0:]}
         return out
