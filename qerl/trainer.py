@@ -31,7 +31,6 @@ from qerl.optim import build_optimizer
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
 from qerl.rollout.attention import sdpa_without_cudnn
-from qerl.rollout.model_state import compute_dtype
 from qerl.rollout.residency import UpdateMemory, update_reserve
 from qerl.update_copies import update_copies
 
@@ -67,7 +66,6 @@ def engine_options(cfg: TrainConfig) -> dict[str, Any]:
     return {}
 
 class GRPOTrainer:
-    update_need: int | None = None  # bytes an update needs free, once one measured it (qerl.rollout.residency)
     def __init__(self, cfg: TrainConfig, model, tokenizer, prompts: list[list[int]], answers: list[str],
                  reward_fns: list[tuple[str, Callable, float]], *, checkpoint_dir: str | Path,
                  fingerprint: Fingerprint | None = None,
@@ -78,6 +76,7 @@ class GRPOTrainer:
         if len(prompts) == 0:
             raise QerlError("train.data: no usable prompts (empty dataset, or all longer than max_prompt_length)")
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        self.update_need: int | None = None  # bytes an update needs free, once one measured it (qerl.rollout.residency)
         self.prompts, self.answers, self.reward_fns = prompts, answers, reward_fns
         self.checkpoint_dir = Path(checkpoint_dir)
         self.checkpoints = CheckpointRun(checkpoint_dir, fingerprint) if fingerprint is not None else None
@@ -317,11 +316,12 @@ class GRPOTrainer:
                         ("train.dense_weights", cfg.mode == "qlora_fp4" and cfg.dense_weights is not False)):  # copies
             knobs += f", or set {key}: false" if on else ""
         with out_of_memory_names(f"the update of step {step + 1}", knobs), \
-                update_copies(self.model, compute_dtype(self.model), cfg.dense_weights, self.update_need) as made, \
+                update_copies(self.model, cfg.dense_weights, self.update_need) as made, \
                 UpdateMemory(self.device) as meter:
             metrics = self._update(batch, step)
-        metrics["update_dense_copies_gib"], longest = made / 2**30, cfg.max_prompt_length + cfg.max_completion_length
-        self.update_need = update_reserve(meter.growth, batch.input_ids.shape[1], longest)  # without the copies
+        metrics["update_dense_copies_gib"] = made / 2**30
+        self.update_need = update_reserve(meter.growth, batch.input_ids.shape[1],  # without the copies
+                                          cfg.max_prompt_length + cfg.max_completion_length)
         if hasattr(self.engine, "plan_update"):  # what later updates need free beside a resident engine
             self.engine.plan_update(None if self.update_need is None else self.update_need + made)
         return metrics

@@ -1,6 +1,6 @@
 """Dense copies of the frozen FP4 base for a policy update, where the memory is there (train.dense_weights).
 
-    with update_copies(model, dtype, cfg.dense_weights, reserve) as made:   # the trainer, around each update
+    with update_copies(model, cfg.dense_weights, reserve) as made:   # the trainer, around each update
         metrics = trainer._update(batch, step)
 
 An update's GEMMs are compute-bound and Hopper has no FP4 tensor cores: over the packed weight every forward,
@@ -26,11 +26,7 @@ from torch import nn
 
 from qerl.quant import dense_copies as dc
 from qerl.quant.linear import DENSE_COPY_ATTR, FP4Linear
-
-
-def has_dense_copies(model: nn.Module) -> bool:
-    """Some FP4Linear of `model` holds a dense copy (the rollout engine's, kept through the update)."""
-    return any(isinstance(m, FP4Linear) and DENSE_COPY_ATTR in m.__dict__ for m in model.modules())
+from qerl.rollout.model_state import compute_dtype
 
 
 def copies_fit(need: int, device: torch.device, reserve: int | None) -> bool:
@@ -48,14 +44,17 @@ def copies_fit(need: int, device: torch.device, reserve: int | None) -> bool:
 
 
 @contextlib.contextmanager
-def update_copies(model: nn.Module, dtype: torch.dtype, mode, reserve: int | None):
-    """Dense copies in `dtype` of every NVFP4 FP4Linear of `model` for the block, under `mode` ("auto", True or
-    False, see the module doc); yields the bytes made (0: none made, the engine's kept copies included)."""
+def update_copies(model: nn.Module, mode, reserve: int | None):
+    """Dense copies, in the dtype the model computes in, of every NVFP4 FP4Linear of `model` for the block, under
+    `mode` ("auto", True or False, see the module doc); yields the bytes made (0: none made, the copies a rollout
+    engine kept included)."""
     made = 0
-    if mode is not False and not has_dense_copies(model):
+    layers = [m for m in model.modules() if isinstance(m, FP4Linear)]
+    kept = any(DENSE_COPY_ATTR in m.__dict__ for m in layers)  # the engine's, kept through the update
+    if mode is not False and layers and not kept:
+        dtype = compute_dtype(model)
         need = dc.dense_copy_bytes(model, dtype)
-        device = next((m.weight_packed.device for m in model.modules() if isinstance(m, FP4Linear)), None)
-        if need and (mode is True or copies_fit(need, device, reserve)):
+        if need and (mode is True or copies_fit(need, layers[0].weight_packed.device, reserve)):
             made = dc.attach_dense_copies(model, (), dtype)
     try:
         yield made

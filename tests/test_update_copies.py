@@ -95,22 +95,23 @@ def test_auto_makes_copies_only_where_they_fit(monkeypatch):
 
 
 def test_update_copies_modes_and_the_engines_kept_copies(monkeypatch):
+    """Copies in the dtype the layers compute in (float64 here), made and dropped per mode; the engine's kept."""
     model = torch.nn.ModuleList([_layer(), _layer(out=32)])
     attached = lambda: [DENSE_COPY_ATTR in m.__dict__ for m in model]  # noqa: E731
-    with uc.update_copies(model, torch.float64, False, None) as made:
+    with uc.update_copies(model, False, None) as made:
         assert made == 0 and attached() == [False, False]
-    with uc.update_copies(model, torch.float64, True, None) as made:
+    with uc.update_copies(model, True, None) as made:
         assert made == (48 + 32) * 64 * 8 and attached() == [True, True]
     assert attached() == [False, False]  # dropped when the update ends
     monkeypatch.setattr(uc, "copies_fit", lambda need, device, reserve: reserve == 1)
-    with uc.update_copies(model, torch.float64, "auto", None) as made:
+    with uc.update_copies(model, "auto", None) as made:
         assert made == 0 and attached() == [False, False]
-    with pytest.raises(RuntimeError, match="boom"), uc.update_copies(model, torch.float64, "auto", 1) as made:
+    with pytest.raises(RuntimeError, match="boom"), uc.update_copies(model, "auto", 1) as made:
         assert made > 0 and attached() == [True, True]
         raise RuntimeError("boom")
     assert attached() == [False, False]  # dropped on an error too
     attach_dense_copies(model, [], torch.float64)  # the rollout engine's, kept through the update
-    with uc.update_copies(model, torch.float64, True, None) as made:
+    with uc.update_copies(model, True, None) as made:
         assert made == 0
     assert attached() == [True, True]  # not ours to drop
     detach_dense_copies(model)
