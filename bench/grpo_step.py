@@ -378,12 +378,12 @@ def _table(rows: list[dict]) -> str:
                          f"{sum(x.get('graph_build_s') or 0 for x in later):.2f} s, humming copies "
                          f"{sum(x.get('humming_build_s') or 0 for x in later):.2f} s (resident pool "
                          f"{r.get('resident_pool')}, update reserve {r.get('update_reserve_gib', 0):.1f} GiB)")
-    by = {r["mode"]: r for r in rows}
     for r in rows:
         if r.get("later_steps"):
             copies = [x.get("update_dense_copies_gib") or 0 for x in r["later_steps"]]
             lines.append(f"{r['mode']:10s} update over dense copies of the FP4 base (train.dense_weights): "
                          f"{', '.join(f'{c:.1f}' for c in copies)} GiB in steps 2-{len(copies) + 1}")
+    by = {r["mode"]: r for r in rows}
     if "fp4+lora" in by and "bf16+lora" in by and by["fp4+lora"]["update_s"] and by["bf16+lora"]["update_s"]:
         f, b = by["fp4+lora"], by["bf16+lora"]
         lines.append(f"FP4/bf16: rollout tokens/s x{f['rollout_tok_s'] / b['rollout_tok_s']:.2f}, update "

@@ -222,12 +222,12 @@ class ProjectionGroup:
         own = len(self.members) == 1  # a group of one never gave its member views
         with torch.no_grad():
             for m in self.members:
-                if self.kind == "fp4" and not own:
+                if not own and self.kind == "fp4":
                     for name in _STACKED:
                         m.base_layer._buffers[name] = m.base_layer._buffers[name].clone()
-                elif self.kind != "fp4":
-                    if not own:
-                        m.base_layer.weight.data = m.base_layer.weight.data.clone()
+                elif not own:
+                    m.base_layer.weight.data = m.base_layer.weight.data.clone()
+                if self.kind != "fp4":
                     m.__dict__.pop("forward", None)
                 m.__dict__.pop("_qerl_group", None)
                 m.base_layer.__dict__.pop("dense_copy", None)  # a view of the stacked copy dropped below
