@@ -5,7 +5,8 @@
 The step is the experiment's own train section from config/config.yaml (prompts per step, G, micro-batch, caps,
 LoRA rank, rollout engine and its memory knob, gradient checkpointing, offload); only `mode` differs between the
 two runs (qlora_fp4 with the recipe's AQN, lora without; a third, fp4-packed, is FP4 with train.dense_weights false:
-every update over the packed weights instead of dense copies). --prompts / --completion-cap shrink it and
+every update over the packed weights instead of dense copies; fp4-padded and bf16-padded set train.padding_free
+false: the update's rows padded instead of packed). --prompts / --completion-cap shrink it and
 --num-iterations sets the policy updates per batch (all said in the JSON). Weights are random Qwen2.5 tensors of
 the experiment's size (bench.random_models: speed and memory do not depend on the values); the reward is random
 within each group. Random weights never emit EOS, so each row ends at a length drawn from a fixed log-normal
@@ -40,12 +41,17 @@ from bench.common import sync
 from qerl.compile_cache import configure
 
 
+VARIANTS = {"packed": {"dense_weights": False}, "padded": {"padding_free": False}}  # a mode's train keys after "-"
+MODES = ("fp4", "bf16", "fp4-packed", "fp4-padded", "bf16-padded")
+
+
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="config/config.yaml")
     p.add_argument("--experiment", default="qwen7b")
     p.add_argument("--modes", default="fp4,bf16", help="comma list of fp4, bf16, fp4-packed (FP4 with "
-                   "train.dense_weights false: every update over the packed weights)")
+                   "train.dense_weights false: every update over the packed weights), fp4-padded, bf16-padded "
+                   "(train.padding_free false: the update's rows padded)")
     p.add_argument("--size", default=None, help="random model size (default: the experiment's model_size)")
     p.add_argument("--prompts", type=int, default=0, help="prompts per step (0: the recipe's batch_size)")
     p.add_argument("--completion-cap", type=int, default=0, help="0: the recipe's max_completion_length")
@@ -162,10 +168,10 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     rollout = train_cfg.rollout.model_copy(update={"engine": "paged",  # the bench's engine, whatever the recipe's
                                                    "compile": "auto" if args.compile == "auto" else False})
     fp4 = mode.startswith("fp4")
-    packed = {"dense_weights": False} if mode == "fp4-packed" else {}
+    variant = VARIANTS.get(mode.split("-", 1)[-1], {}) if "-" in mode else {}
     cfg = train_cfg.model_copy(update={"mode": "qlora_fp4" if fp4 else "lora", "aqn": train_cfg.aqn if fp4 else None,
-                                       "rollout": rollout, **packed})
-    model = build_lora_model(size, "fp4" if fp4 else mode, cfg.lora.lora_r, args.seed, args.device)
+                                       "rollout": rollout, **variant})
+    model = build_lora_model(size, "fp4" if fp4 else "bf16", cfg.lora.lora_r, args.seed, args.device)
     prompts = random_prompts(tok, cfg.batch_size, args.prompt_len, args.seed)
     trainer = GRPOTrainer(cfg, model, tok, prompts, ["0"] * len(prompts), [("random", _random_reward, 1.0)],
                           checkpoint_dir=tempfile.mkdtemp(prefix="qerl-bench-"))
@@ -229,6 +235,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   update_s=update_s, update_tokens=update_tokens,
                   update_tok_s=update_tokens / update_s if update_s else None,
                   update_padded_tokens_ratio=metrics.get("update/padded_tokens_ratio"),
+                  update_rows_packed=trainer.packable and not trainer.share_prefix,
                   update_compiles=compiles, update_dense_copies_gib=metrics.get("update_dense_copies_gib"),
                   step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                   rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,
@@ -422,8 +429,8 @@ def main(argv=None) -> int:
                        "steps of max(weights + running rows' KV bytes / copy bandwidth, linear-layer FLOPs of the "
                        "running rows / bf16 matmul rate), both measured in the same run", "results": []}
     for mode in [m for m in args.modes.split(",") if m]:
-        if mode not in ("fp4", "bf16", "fp4-packed"):
-            raise SystemExit(f"--modes: expected fp4, bf16 or fp4-packed, got {mode!r}")
+        if mode not in MODES:
+            raise SystemExit(f"--modes: expected some of {', '.join(MODES)}, got {mode!r}")
         payload["results"].append(run_mode(args, mode, train_cfg, size, lengths, bandwidth, matmul_rate))
         print(_table(payload["results"]), flush=True)
         _print_profile(payload["results"][-1])

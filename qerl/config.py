@@ -152,8 +152,9 @@ class TrainConfig(_Section):
     fused_elementwise: bool = Field(True, description="on CUDA, RMSNorm, the MLP's SiLU(gate) * up and the "
                                     "lm_head chunks' log-probs of the training forward and backward as "
                                     "torch.compile'd kernels (qerl.fused_elementwise); false: eager ops")
-    cudnn_attention: bool = Field(False, description="cuDNN SDPA in training forwards; off: flash or "
-                                  "mem-efficient, as cuDNN builds a graph per new sequence length (~7 ms each)")
+    cudnn_attention: bool = Field(False, description="cuDNN SDPA in padded training forwards (a graph per length)")
+    padding_free: bool = Field(True, description="the update's forwards over each micro-batch's rows packed end to "
+                               "end, no padding; flash varlen attention on CUDA (qerl.packing); false: padded rows")
     dense_weights: bool | Literal["auto"] = Field("auto", description="the update's GEMMs over per-update dense "
                                                   "copies of the FP4 base (qerl.update_copies); auto: where they fit")
     mixed_precision: Literal["auto", "off"] = Field(
@@ -430,8 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("memory", help="estimated GPU memory per rank of each experiment, GPUs needed").add_argument("path")
     a = p.parse_args(argv)
     if a.cmd == "schema":
-        yaml.safe_dump(json_schema(), sys.stdout, sort_keys=False)
-        return
+        return yaml.safe_dump(json_schema(), sys.stdout, sort_keys=False)
     try:
         cfg = load_config(a.path)
         if a.cmd == "check":

@@ -79,7 +79,7 @@ def _padding_safe_mask(model, attention_mask: Tensor) -> Tensor:
     plain model(...) too). Real tokens see exactly the keys they saw before, so log-probs do not change.
     """
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl not in ("sdpa", "eager") or bool(attention_mask[:, 0].all()):
+    if impl not in ("sdpa", "eager", "qerl_packed") or bool(attention_mask[:, 0].all()):
         return attention_mask
     length = attention_mask.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
@@ -87,7 +87,7 @@ def _padding_safe_mask(model, attention_mask: Tensor) -> Tensor:
     empty = ~allowed.any(-1, keepdim=True)  # only leading pads: other rows keep HF's mask exactly
     allowed |= torch.eye(length, dtype=torch.bool, device=attention_mask.device)[None] & empty
     allowed = allowed[:, None]  # (B, 1, L, L)
-    if impl == "sdpa":
+    if impl != "eager":  # qerl.packing's scope runs unpacked calls through SDPA
         return allowed
     dtype = model.get_input_embeddings().weight.dtype  # eager adds the mask to the scores
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,

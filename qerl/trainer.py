@@ -28,6 +28,7 @@ from qerl.errors import QerlError, out_of_memory_names
 from qerl.fsdp import data_parallel, fuse_as_rank0
 from qerl.grpo import constant_groups, group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.optim import build_optimizer
+from qerl.packing import packed_attention, packed_token_logprobs, packing_possible
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
 from qerl.rollout.attention import sdpa_without_cudnn
@@ -90,6 +91,7 @@ class GRPOTrainer:
 
             tile_mlps(model, cfg.mlp_chunks)
         self.parallel = data_parallel(model, cfg, ranks)  # after the forward swaps: they probe the weights
+        self.packable = packing_possible(model, cfg.padding_free)  # the padded forward where the model needs it
         self.device = next(p for p in model.parameters()).device
         self.total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * len(prompts) / cfg.batch_size)
         params = self.trainable = [p for p in model.parameters() if p.requires_grad]
@@ -146,8 +148,7 @@ class GRPOTrainer:
         prompts = [self.prompts[i] for i in idx]
         answers = [self.answers[i] for i in idx for _ in range(g)]
         sigma, stage = self.sigma(step)
-        t0 = time.perf_counter()
-        cfg = self.cfg
+        t0, cfg = time.perf_counter(), self.cfg
         knobs = (f"lower train.rollout.gpu_memory_utilization (now {cfg.rollout.gpu_memory_utilization}), "
                  f"max_completion_length (now {cfg.max_completion_length}) or the rows of a step (batch_size x "
                  f"num_generations); `python -m qerl.config memory` prints the estimate per GPU")
@@ -234,8 +235,7 @@ class GRPOTrainer:
         if self.cfg.mask_truncated_completions:
             truncated = torch.tensor([r == "length" for r in out.finish_reasons])
             cmask[truncated] = 0.0
-        dev = self.device
-        return Batch(ids.to(dev), attn.to(dev), cmask.to(dev), rlp.to(dev), advantages.to(dev))
+        return Batch(*(t.to(self.device) for t in (ids, attn, cmask, rlp, advantages)))
 
     # ---- update ----
     @property
@@ -258,6 +258,7 @@ class GRPOTrainer:
         and must not make the fp32 input copies the forward avoided. Both keep cuDNN out of SDPA unless
         train.cudnn_attention: a host graph build per new length (~0.6 s per 7B micro-batch, H100) stalled the GPU."""
         stack = contextlib.ExitStack()
+        stack.enter_context(packed_attention(self.model) if self.packable else contextlib.nullcontext())  # recompute
         if not self.cfg.cudnn_attention:
             stack.enter_context(sdpa_without_cudnn())  # backward's recompute too
         dtype = self._autocast_dtype()
@@ -277,17 +278,16 @@ class GRPOTrainer:
             return self.parallel.run(self._logprobs, batch, rows)  # the FSDP root's forward when sharded
 
     def _logprobs(self, batch: Batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        temperature = max(self.cfg.rollout.temperature, 1e-6)
+        options = {"temperature": max(self.cfg.rollout.temperature, 1e-6), "chunk_size": self.cfg.logprob_chunk_size}
         plen = batch.input_ids.shape[1] - batch.completion_len
         if self.share_prefix:
             g = self.cfg.num_generations
             groups = slice(rows.start // g, rows.stop // g)
             return grouped_token_logprobs(
                 self.model, batch.input_ids[::g][groups, :plen], batch.attention_mask[::g][groups, :plen],
-                batch.input_ids[rows, plen:], batch.attention_mask[rows, plen:], g,
-                temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)
-        return token_logprobs(self.model, batch.input_ids[rows], batch.attention_mask[rows], batch.completion_len,
-                              temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)
+                batch.input_ids[rows, plen:], batch.attention_mask[rows, plen:], g, **options)
+        forward = packed_token_logprobs if self.packable else token_logprobs  # rows without their padding
+        return forward(self.model, batch.input_ids[rows], batch.attention_mask[rows], batch.completion_len, **options)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch, rows: slice | None = None) -> torch.Tensor | None:
@@ -348,8 +348,7 @@ class GRPOTrainer:
             for sub, old, ref in zip(subs, olds, refs):
                 with self._saved_tensors():
                     lp, ent = self.logprobs(sub)
-                mask, metrics = sub.completion_mask, {}
-                is_w = None
+                mask, metrics, is_w = sub.completion_mask, {}, None
                 if cfg.rollout_correction == "tis":
                     base = lp.detach() if old is None else old
                     is_w, metrics = tis_weights(base, sub.rollout_logprobs, mask, cap=cfg.tis_cap)
@@ -382,8 +381,9 @@ class GRPOTrainer:
         sums = {k: float(v) for k, v in sums.items()}
         sums["timing/update"] = time.perf_counter() - t0
         # positions the forwards computed per real token (padding of prompts and of each micro-batch's completions)
-        sums["update/padded_tokens_ratio"] = (sum(sub.attention_mask.numel() for sub in subs)
-                                              / max(int(batch.attention_mask.sum()), 1))
+        packed = self.packable and not self.share_prefix  # packed rows compute their real tokens only
+        computed = sum(int(s.attention_mask.sum()) if packed else s.attention_mask.numel() for s in subs)
+        sums["update/padded_tokens_ratio"] = computed / max(int(batch.attention_mask.sum()), 1)
         sums = self.ranks.reduce_metrics(sums, maxima=("timing/update",))  # equal micro-batches per rank: means
         sums["loss"] *= accumulation  # one update's loss is the sum over its micro-batches (every rank's)
         return sums

@@ -485,15 +485,17 @@ def test_training_forward_and_backward_leave_cudnn_attention_out_unless_asked(ti
     before = torch.backends.cuda.cudnn_sdp_enabled()
     F.scaled_dot_product_attention = spy
     try:
-        for flag in (False, True):
+        for flag, packed in ((False, False), (True, False), (False, True)):
             trainer.cfg = trainer.cfg.model_copy(update={"cudnn_attention": flag, "gradient_checkpointing": True})
+            trainer.packable = packed
             seen.clear()
             model.train()  # as the update: transformers checkpoints layers only in training mode
             lp, _ = trainer.logprobs(batch, slice(0, 2))
             with trainer._forward_precision(backward=True):
                 lp.sum().backward()
             layers = model.config.num_hidden_layers
-            assert len(seen) == 2 * layers, seen  # the forward, then backward's recompute of each layer
+            # the forward, then backward's recompute of each layer; packed on the CPU: one call per row
+            assert len(seen) == 2 * layers * (2 if packed else 1), seen
             assert {enabled for _, enabled in seen} == {flag and before}
     finally:
         F.scaled_dot_product_attention = sdpa

@@ -66,7 +66,7 @@ def test_rows_ordered_by_length_in_whole_units_longest_first():
     assert padded(micro_batch_rows(long, 16)) < 1.05 < 1.8 < padded(micro_batch_rows(long, 16, by_length=False))
 
 
-def _grads(tiny_model_dir, tmp_path, batch, monkeypatch, *, by_length, loss_type, checkpointing):
+def _grads(tiny_model_dir, tmp_path, batch, monkeypatch, *, by_length, loss_type, checkpointing, padding_free=True):
     from bench.e2e_workers import _random_reward
     from qerl import trainer as trainer_module
     from qerl.config import TrainConfig
@@ -82,7 +82,7 @@ def _grads(tiny_model_dir, tmp_path, batch, monkeypatch, *, by_length, loss_type
     cfg = TrainConfig(mode="lora", data={"source": "bench"}, rewards=["bench.e2e_workers:_random_reward"],
                       num_generations=2, batch_size=4, micro_batch_size=2, max_steps=1, max_completion_length=9,
                       aqn=None, lora={"lora_r": 2, "lora_alpha": 4}, dtype="float32", loss_type=loss_type,
-                      gradient_checkpointing=checkpointing, max_grad_norm=1e9)
+                      gradient_checkpointing=checkpointing, max_grad_norm=1e9, padding_free=padding_free)
     trainer = trainer_module.GRPOTrainer(cfg, model, tok, [[5, 6]] * 4, ["0"] * 4, [("random", _random_reward, 1.0)],
                                          checkpoint_dir=tmp_path)
     seen = []
@@ -98,7 +98,10 @@ def _grads(tiny_model_dir, tmp_path, batch, monkeypatch, *, by_length, loss_type
     monkeypatch.setattr(trainer.optimizer, "zero_grad", lambda *a, **k: None)
     metrics = trainer.update(batch, 0)
     computed = sum(len(p) * micro_batch(batch, p).input_ids.shape[1] for p in seen[0])
-    assert metrics["update/padded_tokens_ratio"] == pytest.approx(computed / float(batch.attention_mask.sum()))
+    packed = padding_free and checkpointing  # without checkpointing each prompt is computed once per group instead
+    assert trainer.packable == padding_free
+    assert metrics["update/padded_tokens_ratio"] == pytest.approx(
+        1.0 if packed else computed / float(batch.attention_mask.sum()))
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, seen[0]
 
 
@@ -116,6 +119,21 @@ def test_length_ordered_micro_batches_give_the_consecutive_gradient(tiny_model_d
     for name in ordered:  # sums in another order: relative to the tensor's norm, not elementwise
         scale = plain[name].norm()
         assert scale > 0 and (ordered[name] - plain[name]).norm() / scale < 1e-10, name
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+def test_packed_update_gives_the_padded_gradient(tiny_model_dir, tmp_path, monkeypatch, loss_type):
+    """train.padding_free: a whole trainer update (log-probs, loss, backward through checkpointed layers) over
+    packed rows has the padded update's gradient, in float64."""
+    batch = _batch([2, 9, 1, 8, 3, 7, 9, 1])
+    packed, _ = _grads(tiny_model_dir, tmp_path / "a", batch, monkeypatch, by_length=True, loss_type=loss_type,
+                       checkpointing=True)
+    padded, _ = _grads(tiny_model_dir, tmp_path / "b", batch, monkeypatch, by_length=True, loss_type=loss_type,
+                       checkpointing=True, padding_free=False)
+    assert packed.keys() == padded.keys() and len(packed) > 0
+    for name in packed:
+        scale = padded[name].norm()
+        assert scale > 0 and (packed[name] - padded[name]).norm() / scale < 1e-10, name
 
 
 def test_bnpo_keeps_its_rows_as_they_came(tiny_model_dir, tmp_path, monkeypatch):

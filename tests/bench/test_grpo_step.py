@@ -116,3 +116,16 @@ def test_fp4_packed_mode_runs_every_update_over_the_packed_weights(tmp_path):
     assert (copies["mode"], packed["mode"]) == ("fp4+lora", "fp4-packed+lora")
     assert copies["update_dense_copies_gib"] > 0 and copies["later_steps"][0]["update_dense_copies_gib"] > 0
     assert packed["update_dense_copies_gib"] == 0 and packed["later_steps"][0]["update_dense_copies_gib"] == 0
+
+
+def test_padded_mode_pads_the_updates_rows(tmp_path):
+    """--modes bf16,bf16-padded: the update's rows packed (train.padding_free, the default: only real tokens
+    computed) and padded (each micro-batch to its longest row)."""
+    out = tmp_path / "padded.json"
+    assert grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", "bf16,bf16-padded", "--prompts", "2",
+                           "--completion-cap", "12", "--median", "5", "--prompt-len", "8", "--warmup-tokens", "2",
+                           "--out", str(out)]) == 0
+    packed, padded = json.loads(out.read_text())["results"]
+    assert (packed["mode"], padded["mode"]) == ("bf16+lora", "bf16-padded+lora")
+    assert packed["update_rows_packed"] and not padded["update_rows_packed"]
+    assert packed["update_padded_tokens_ratio"] == 1.0 < padded["update_padded_tokens_ratio"]

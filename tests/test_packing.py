@@ -1,0 +1,146 @@
+"""Padding-free (packed) log-probs equal the padded ones: values, entropies and LoRA gradients in float64, with and
+without gradient checkpointing; a backward outside the packed scope fails loudly; the GPU's flash varlen path
+against the padded path in bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from qerl.errors import QerlError
+from qerl.grpo import token_logprobs
+from qerl.packing import NAME, packed_attention, packed_token_logprobs, unsupported_reason
+
+
+def _rows(prompts, completions, pad=0):
+    """TRL's layout: left-padded prompts, right-padded completions."""
+    plen, clen = max(prompts), max(completions)
+    gen = torch.Generator().manual_seed(sum(prompts) + 7 * sum(completions))
+    ids = torch.full((len(prompts), plen + clen), pad)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, plen - p:plen + c] = torch.randint(10, 1000, (p + c,), generator=gen)
+        mask[i, plen - p:plen + c] = 1
+    return ids, mask, clen
+
+
+def _model(tiny_model_dir, dtype=torch.float64, checkpointing=False):
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.enable_input_require_grads()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                            init_lora_weights=False))
+    model.train()
+    return model
+
+
+def _grads(model):
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_equals_padded_in_float64(tiny_model_dir, checkpointing):
+    model = _model(tiny_model_dir, checkpointing=checkpointing)
+    ids, mask, keep = _rows([5, 11, 8, 1], [6, 2, 9, 0])  # a row of one prompt token; a row with no completion
+    comp = mask[:, -keep:].bool()
+    weights = torch.rand(comp.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    lp_ref, ent_ref = token_logprobs(model, ids, mask, keep, temperature=0.7, chunk_size=5)
+    (lp_ref * weights * comp).sum().backward()
+    ref = _grads(model)
+
+    lp, ent = packed_token_logprobs(model, ids, mask, keep, temperature=0.7, chunk_size=5)
+    with packed_attention(model):
+        (lp * weights * comp).sum().backward()
+    got = _grads(model)
+
+    torch.testing.assert_close(lp[comp], lp_ref[comp], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ent[comp], ent_ref[comp], rtol=1e-10, atol=1e-10)
+    assert (lp[~comp] == 0).all() and (ent[~comp] == 0).all()  # pad positions hold zeros, not stale values
+    assert model.config._attn_implementation != NAME  # the scope put the configured implementation back
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12)
+    assert sum(float(g.abs().sum()) for g in ref.values()) > 0
+
+
+def test_rows_do_not_see_each_other(tiny_model_dir):
+    """A row's log-probs do not change when its neighbours in the packed sequence change."""
+    model = _model(tiny_model_dir)
+    ids, mask, keep = _rows([4, 7, 6], [5, 3, 8])
+    with torch.no_grad():
+        first, _ = packed_token_logprobs(model, ids, mask, keep)
+        other = ids.clone()
+        other[0] = torch.where(mask[0].bool(), (other[0] + 17) % 1000 + 10, other[0])
+        other[2] = torch.where(mask[2].bool(), (other[2] + 29) % 1000 + 10, other[2])
+        second, _ = packed_token_logprobs(model, other, mask, keep)
+    torch.testing.assert_close(second[1], first[1], rtol=0, atol=1e-12)
+    assert not torch.allclose(second[0], first[0])  # the changed rows did change
+
+
+def test_backward_outside_the_scope_fails_under_checkpointing(tiny_model_dir):
+    model = _model(tiny_model_dir, checkpointing=True)
+    ids, mask, keep = _rows([5, 9], [4, 3])
+    lp, _ = packed_token_logprobs(model, ids, mask, keep)
+    with pytest.raises(QerlError, match="packed_attention"):
+        lp.sum().backward()
+
+
+def test_unpacked_calls_in_the_scope_use_the_models_attention(tiny_model_dir):
+    """Inside the scope a padded forward (no row bounds) runs the configured implementation: same log-probs."""
+    model = _model(tiny_model_dir)
+    ids, mask, keep = _rows([3, 8], [5, 2])
+    with torch.no_grad():
+        ref, _ = token_logprobs(model, ids, mask, keep)
+        with packed_attention(model):
+            inside, _ = token_logprobs(model, ids, mask, keep)
+    torch.testing.assert_close(inside, ref, rtol=0, atol=0)
+
+
+def test_bad_rows_and_models_fail_in_one_line(tiny_model_dir):
+    model = _model(tiny_model_dir)
+    ids, mask, keep = _rows([3, 4], [2, 2])
+    mask[1, :-keep] = 0  # a row whose prompt is all padding
+    with pytest.raises(QerlError, match="without a prompt token"):
+        packed_token_logprobs(model, ids, mask, keep)
+    with pytest.raises(QerlError, match="logits_to_keep"):
+        packed_token_logprobs(model, ids, mask, ids.shape[1])
+    assert unsupported_reason(model) is None
+    model.config.layer_types = ["sliding_attention"] * len(model.config.layer_types)
+    assert "sliding_attention" in unsupported_reason(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_flash_varlen_matches_padded_on_gpu(tiny_model_dir, checkpointing, monkeypatch):
+    """bf16 on CUDA: flash's varlen kernel (checked to run) against the padded SDPA path and a float64 reference."""
+    import qerl.packing as packing
+
+    seen = []
+    flash = packing._flash_rows
+    monkeypatch.setattr(packing, "_flash_rows", lambda *a: seen.append(a[0].shape) or flash(*a))
+    ids, mask, keep = _rows([37, 120, 5, 64, 90], [200, 17, 150, 0, 96])
+    comp = mask[:, -keep:].bool()
+    exact = _model(tiny_model_dir, torch.float64)
+    with torch.no_grad():
+        want, _ = token_logprobs(exact, ids, mask, keep)
+    model = _model(tiny_model_dir, torch.bfloat16, checkpointing).cuda()
+    ids, mask = ids.cuda(), mask.cuda()
+    padded, _ = token_logprobs(model, ids, mask, keep)
+    padded.float().sum().backward()
+    ref = _grads(model)
+    packed, _ = packed_token_logprobs(model, ids, mask, keep)
+    with packed_attention(model):
+        packed.float().sum().backward()
+    got = _grads(model)
+    assert seen, "the flash varlen path did not run"
+    err_packed = (packed.double().cpu() - want)[comp].abs().max()
+    err_padded = (padded.double().cpu() - want)[comp].abs().max()
+    assert err_packed <= 2 * err_padded + 1e-3, (err_packed, err_padded)
+    for name, g in ref.items():
+        cos = torch.nn.functional.cosine_similarity(got[name].double().flatten(), g.double().flatten(), dim=0)
+        assert cos > 0.99, (name, float(cos))
