@@ -130,12 +130,13 @@ def test_flash_varlen_matches_padded_on_gpu(tiny_model_dir, checkpointing, monke
         want, _ = token_logprobs(exact, ids, mask, keep)
     model = _model(tiny_model_dir, torch.bfloat16, checkpointing).cuda()
     ids, mask = ids.cuda(), mask.cuda()
+    weights = comp.cuda().float()  # the padded path also scores pad positions: only real tokens count
     padded, _ = token_logprobs(model, ids, mask, keep)
-    padded.float().sum().backward()
+    (padded.float() * weights).sum().backward()
     ref = _grads(model)
     packed, _ = packed_token_logprobs(model, ids, mask, keep)
     with packed_attention(model):
-        packed.float().sum().backward()
+        (packed.float() * weights).sum().backward()
     got = _grads(model)
     assert seen, "the flash varlen path did not run"
     err_packed = (packed.double().cpu() - want)[comp].abs().max()
