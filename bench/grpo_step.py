@@ -235,7 +235,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   update_s=update_s, update_tokens=update_tokens,
                   update_tok_s=update_tokens / update_s if update_s else None,
                   update_padded_tokens_ratio=metrics.get("update/padded_tokens_ratio"),
-                  update_rows_packed=trainer.packable and not trainer.share_prefix,
+                  update_rows_packed=trainer.packable,
                   update_compiles=compiles, update_dense_copies_gib=metrics.get("update_dense_copies_gib"),
                   step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                   rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,

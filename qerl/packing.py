@@ -36,8 +36,11 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def unsupported_reason(model) -> str | None:
-    """Why this model's forward cannot be packed, or None: sliding-window layers would need the window per row."""
+    """Why this model's forward cannot be packed, or None: sliding-window layers would need the window per row, and
+    unpacked calls inside packed_attention run SDPA (or eager) with their masks."""
     config = model.config
+    if config._attn_implementation not in ("sdpa", "eager"):
+        return f"its attention implementation {config._attn_implementation!r} (packing wants sdpa or eager)"
     kinds = getattr(config, "layer_types", None)
     if kinds is not None:
         return None if all(k == "full_attention" for k in kinds) else f"its layer_types {sorted(set(kinds))}"
@@ -194,7 +197,8 @@ def _check_backward_scope(config, grad: Tensor) -> None:
 
 
 def packing_possible(model, wanted: bool) -> bool:
-    """train.padding_free for this model: False (logged once) where its attention cannot be packed."""
+    """train.padding_free for this model (wanted: the config asks and the rows are not prompt-shared): False, logged,
+    where its attention cannot be packed."""
     reason = unsupported_reason(model) if wanted else None
     if reason:
         log.info("train.padding_free: padded update forwards for %s (%s)", type(model).__name__, reason)

@@ -91,7 +91,7 @@ class GRPOTrainer:
 
             tile_mlps(model, cfg.mlp_chunks)
         self.parallel = data_parallel(model, cfg, ranks)  # after the forward swaps: they probe the weights
-        self.packable = packing_possible(model, cfg.padding_free)  # the padded forward where the model needs it
+        self.packable = packing_possible(model, cfg.padding_free and not self.share_prefix)  # else padded rows
         self.device = next(p for p in model.parameters()).device
         self.total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * len(prompts) / cfg.batch_size)
         params = self.trainable = [p for p in model.parameters() if p.requires_grad]
@@ -381,8 +381,7 @@ class GRPOTrainer:
         sums = {k: float(v) for k, v in sums.items()}
         sums["timing/update"] = time.perf_counter() - t0
         # positions the forwards computed per real token (padding of prompts and of each micro-batch's completions)
-        packed = self.packable and not self.share_prefix  # packed rows compute their real tokens only
-        computed = sum(int(s.attention_mask.sum()) if packed else s.attention_mask.numel() for s in subs)
+        computed = sum(int(s.attention_mask.sum()) if self.packable else s.attention_mask.numel() for s in subs)
         sums["update/padded_tokens_ratio"] = computed / max(int(batch.attention_mask.sum()), 1)
         sums = self.ranks.reduce_metrics(sums, maxima=("timing/update",))  # equal micro-batches per rank: means
         sums["loss"] *= accumulation  # one update's loss is the sum over its micro-batches (every rank's)

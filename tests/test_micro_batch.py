@@ -99,7 +99,7 @@ def _grads(tiny_model_dir, tmp_path, batch, monkeypatch, *, by_length, loss_type
     metrics = trainer.update(batch, 0)
     computed = sum(len(p) * micro_batch(batch, p).input_ids.shape[1] for p in seen[0])
     packed = padding_free and checkpointing  # without checkpointing each prompt is computed once per group instead
-    assert trainer.packable == padding_free
+    assert trainer.packable == packed
     assert metrics["update/padded_tokens_ratio"] == pytest.approx(
         1.0 if packed else computed / float(batch.attention_mask.sum()))
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, seen[0]

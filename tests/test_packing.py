@@ -110,6 +110,9 @@ def test_bad_rows_and_models_fail_in_one_line(tiny_model_dir):
     with pytest.raises(QerlError, match="logits_to_keep"):
         packed_token_logprobs(model, ids, mask, ids.shape[1])
     assert unsupported_reason(model) is None
+    model.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in unsupported_reason(model)
+    model.config._attn_implementation = "sdpa"
     model.config.layer_types = ["sliding_attention"] * len(model.config.layer_types)
     assert "sliding_attention" in unsupported_reason(model)
 
