@@ -159,19 +159,24 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logi
                         f"and {temperature}")
     body, head = split_causal_lm(model)
     real = attention_mask.bool()
+    completion = real[:, -keep:]
     lengths = real.sum(dim=1)
-    longest, promptless = torch.stack([lengths.max(), (~real[:, :-keep].any(dim=1)).sum()]).tolist()  # one read
+    stats = torch.stack([lengths.max(), (~real[:, :-keep].any(dim=1)).sum(), lengths.sum(), completion.sum()])
+    longest, promptless, tokens, scored = stats.tolist()  # the only host read: every index below is built on device
     if promptless:
         raise QerlError(f"{promptless} row(s) without a prompt token: their first completion token has no state")
     cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    where = _true_positions(real.reshape(-1), tokens)  # the real tokens' flat positions, in order
     index = real.reshape(-1).long().cumsum(0).view_as(real) - 1  # each real token's place in the packed row
-    completion = real[:, -keep:]
-    states = index[:, -keep:][completion] - 1  # each completion token is scored by the state of the token before it
+    scored_at = _true_positions(completion.reshape(-1), scored)
+    states = index[:, -keep:].reshape(-1)[scored_at] - 1  # a completion token is scored by the state before it
+    targets = input_ids[:, -keep:].reshape(-1)[scored_at]
+    positions = (real.long().cumsum(1) - 1).reshape(-1)[where]
     calls: list = []
     token = _CALLS.set(calls)
     try:
         with packed_attention(model):
-            hidden = body(input_ids=input_ids[real][None], position_ids=(real.long().cumsum(1) - 1)[real][None],
+            hidden = body(input_ids=input_ids.reshape(-1)[where][None], position_ids=positions[None],
                           use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
                           max_length_k=longest).last_hidden_state
     finally:
@@ -182,11 +187,19 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logi
     if hidden.requires_grad and _checkpointed(model):
         config = model.config
         hidden.register_hook(functools.partial(_check_backward_scope, config))
-    lp, ent = chunked_head_logprobs(head, hidden[0, states], input_ids[:, -keep:][completion], temperature,
-                                    chunk_size)
-    rows = input_ids.shape[0]
-    return (lp.new_zeros(rows, keep).masked_scatter(completion, lp),
-            ent.new_zeros(rows, keep).masked_scatter(completion, ent))
+    lp, ent = chunked_head_logprobs(head, hidden[0].index_select(0, states), targets, temperature, chunk_size)
+    grid = completion.numel()
+    return (lp.new_zeros(grid).index_copy(0, scored_at, lp).view_as(completion),
+            ent.new_zeros(grid).index_copy(0, scored_at, ent).view_as(completion))
+
+
+def _true_positions(flags: Tensor, count: int) -> Tensor:
+    """The positions of the `count` set entries of a 1-D bool tensor, in order, without a host read (nonzero and
+    boolean indexing wait for the GPU): each set entry scatters its position to its rank; the others to a spare
+    slot past the end."""
+    rank = torch.where(flags, flags.long().cumsum(0) - 1, count)
+    out = torch.zeros(count + 1, dtype=torch.long, device=flags.device)
+    return out.scatter_(0, rank, torch.arange(flags.numel(), device=flags.device))[:count]
 
 
 def _check_backward_scope(config, grad: Tensor) -> None:

@@ -148,3 +148,13 @@ def test_flash_varlen_matches_padded_on_gpu(tiny_model_dir, checkpointing, monke
     for name, g in ref.items():
         cos = torch.nn.functional.cosine_similarity(got[name].double().flatten(), g.double().flatten(), dim=0)
         assert cos > 0.99, (name, float(cos))
+
+
+def test_true_positions_without_a_host_read():
+    """The set entries' positions, in order, as nonzero gives them; none set and all set included."""
+    from qerl.packing import _true_positions
+
+    gen = torch.Generator().manual_seed(5)
+    for flags in (torch.rand(97, generator=gen) < 0.3, torch.zeros(5, dtype=torch.bool), torch.ones(6, dtype=torch.bool)):
+        want = flags.nonzero().squeeze(1)
+        assert torch.equal(_true_positions(flags, int(flags.sum())), want)
