@@ -20,7 +20,8 @@ floor (per decode step the larger of: the weights once + each running row's KV a
 running rows' linear-layer FLOPs at the bf16 matmul rate, both measured in the same run; rollout_floor_s), the
 engine's step time by rows run, update s and tokens/s, step s, peak GiB. Prints a table and writes JSON atomically
 after each mode. --profile-update runs the update twice more, timed (the steady state) and under torch.profiler
-(kernels per micro-batch), then profiles the update of a rollout of fresh lengths (new shapes).
+(kernels per micro-batch) and once more counting where it waits for the GPU (sync sites, CUDA's sync debug mode), then
+profiles the update of a rollout of fresh lengths (new shapes).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import torch
 
 from bench.paged import ForcedLengthEngine, build_lora_model, draw_lengths, warmup_lengths
 from bench.random_models import decode_weight_bytes
-from bench.common import sync
+from bench.common import sync, sync_sites
 from qerl.compile_cache import configure
 
 
@@ -254,6 +255,9 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     if args.profile_update and not args.rollout_only:
         result["update_repeat_s"] = _timed_update(trainer, batch, args.device)  # steady state: no first-call costs
         result["update_profile"] = _profile_update(trainer, batch, cfg.micro_batch_size, args.device)
+        with sync_sites() as sites:  # where the update waits for the GPU, by call site (one more update)
+            trainer.update(batch, 2)
+        result["update_sync_sites"] = [{"site": k, "count": v} for k, v in sites.most_common(20)]
         engine.lengths = draw_lengths(len(lengths), args.median, args.sigma, cfg.max_completion_length, args.seed + 99)
         fresh = trainer.rollout(99)  # fresh lengths: the update meets new shapes, as every step of a training run
         engine.sleep()
@@ -336,6 +340,8 @@ def _print_profile(row: dict) -> None:
         print(format_profile(row["mode"], row["rollout_profile"], later[0].get("rollout_s")), flush=True)
     if "update_profile" in row:
         _print_one_profile(row, row["update_profile"])
+        for k in row.get("update_sync_sites", []):
+            print(f"  host waits x{k['count']:<5} {k['site'][:150]}")
     if "update_profile_fresh" in row:
         print(f"{row['mode']} the update of another rollout, fresh lengths:")
         _print_one_profile(row, row["update_profile_fresh"])

@@ -129,3 +129,28 @@ def test_padded_mode_pads_the_updates_rows(tmp_path):
     assert (packed["mode"], padded["mode"]) == ("bf16+lora", "bf16-padded+lora")
     assert packed["update_rows_packed"] and not padded["update_rows_packed"]
     assert packed["update_padded_tokens_ratio"] == 1.0 < padded["update_padded_tokens_ratio"]
+
+
+def _waits_for_the_gpu():
+    import warnings
+
+    from bench.common import SYNC_WARNING
+
+    warnings.warn(f"{SYNC_WARNING} (a stand-in for CUDA's report)")
+
+
+def test_sync_sites_count_each_wait_by_its_call_site():
+    """bench.common.sync_sites: each report counted under the frames that made it (the markers' files); other
+    warnings pass through untouched; the sync debug mode is put back."""
+    import warnings
+
+    from bench.common import sync_sites
+
+    with pytest.warns(UserWarning, match="unrelated"):
+        with sync_sites(markers=("/tests/",)) as sites:
+            for _ in range(3):
+                _waits_for_the_gpu()
+            warnings.warn("unrelated")
+    ((site, count),) = sites.items()
+    assert count == 3 and site.startswith("test_grpo_step.py:") and "_waits_for_the_gpu" in site
+    assert "test_sync_sites_count_each_wait_by_its_call_site" in site
