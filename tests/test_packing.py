@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from qerl.errors import QerlError
 from qerl.grpo import token_logprobs
-from qerl.packing import NAME, packed_attention, packed_token_logprobs, unsupported_reason
+from qerl.packing import NAME, packed_attention, packed_token_logprobs, packing_possible, unsupported_reason
 
 
 def _rows(prompts, completions, pad=0):
@@ -113,8 +113,10 @@ def test_bad_rows_and_models_fail_in_one_line(tiny_model_dir):
     model.config._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in unsupported_reason(model)
     model.config._attn_implementation = "sdpa"
+    assert packing_possible(model, True) and not packing_possible(model, False)
     model.config.layer_types = ["sliding_attention"] * len(model.config.layer_types)
     assert "sliding_attention" in unsupported_reason(model)
+    assert not packing_possible(model, True)  # the trainer then pads its rows (logged)
 
 
 @pytest.mark.gpu
