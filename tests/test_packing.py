@@ -157,6 +157,7 @@ def test_true_positions_without_a_host_read():
     from qerl.packing import _true_positions
 
     gen = torch.Generator().manual_seed(5)
-    for flags in (torch.rand(97, generator=gen) < 0.3, torch.zeros(5, dtype=torch.bool), torch.ones(6, dtype=torch.bool)):
+    cases = (torch.rand(97, generator=gen) < 0.3, torch.zeros(5, dtype=torch.bool), torch.ones(6, dtype=torch.bool))
+    for flags in cases:
         want = flags.nonzero().squeeze(1)
         assert torch.equal(_true_positions(flags, int(flags.sum())), want)
