@@ -94,8 +94,8 @@ def _parse(argv=None) -> argparse.Namespace:
                    "rollout_correction tis)")
     p.add_argument("--timeout-s", type=float, default=280, help="per case, build and warm-up included")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--padding-free", default="true", choices=("true", "false"),
-                   help="train.padding_free: the update's rows packed (true) or padded")
+    p.add_argument("--padding-free", default="true", choices=("true", "false", "shared_prompts"),
+                   help="train.padding_free: the update's rows packed (true), padded, or packed with each prompt once")
     p.add_argument("--tokenizer", default="../shared/tokenizers/qwen2.5", help="the real Qwen2.5 tokenizer dir")
     p.add_argument("--out", default="results/bench/distributed.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -133,7 +133,7 @@ def train_config(args, mode: str, world: int):
                                 "weights": args.rollout_weights if mode == "full" else "policy"},
                        rollout_correction="tis" if mode == "full" and args.rollout_weights == "nvfp4" else "none",
                        dtype="bfloat16" if on_cuda else "float32", num_gpus=world, seed=args.seed,
-                       padding_free=args.padding_free == "true")
+                       padding_free={"true": True, "false": False}.get(args.padding_free, args.padding_free))
 
 
 def _trainer(args, mode: str, ranks, tokenizer, prompts):

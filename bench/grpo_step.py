@@ -6,7 +6,8 @@ The step is the experiment's own train section from config/config.yaml (prompts 
 LoRA rank, rollout engine and its memory knob, gradient checkpointing, offload); only `mode` differs between the
 two runs (qlora_fp4 with the recipe's AQN, lora without; a third, fp4-packed, is FP4 with train.dense_weights false:
 every update over the packed weights instead of dense copies; fp4-padded and bf16-padded set train.padding_free
-false: the update's rows padded instead of packed). --prompts / --completion-cap shrink it and
+false: the update's rows padded instead of packed; fp4-shared and bf16-shared set it to shared_prompts: each prompt
+computed once per group). --prompts / --completion-cap shrink it and
 --num-iterations sets the policy updates per batch (all said in the JSON). Weights are random Qwen2.5 tensors of
 the experiment's size (bench.random_models: speed and memory do not depend on the values); the reward is random
 within each group. Random weights never emit EOS, so each row ends at a length drawn from a fixed log-normal
@@ -42,8 +43,9 @@ from bench.common import sync, sync_sites
 from qerl.compile_cache import configure
 
 
-VARIANTS = {"packed": {"dense_weights": False}, "padded": {"padding_free": False}}  # a mode's train keys after "-"
-MODES = ("fp4", "bf16", "fp4-packed", "fp4-padded", "bf16-padded")
+VARIANTS = {"packed": {"dense_weights": False}, "padded": {"padding_free": False},  # a mode's train keys after "-"
+            "shared": {"padding_free": "shared_prompts"}}
+MODES = ("fp4", "bf16", "fp4-packed", "fp4-padded", "bf16-padded", "fp4-shared", "bf16-shared")
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -52,7 +54,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--experiment", default="qwen7b")
     p.add_argument("--modes", default="fp4,bf16", help="comma list of fp4, bf16, fp4-packed (FP4 with "
                    "train.dense_weights false: every update over the packed weights), fp4-padded, bf16-padded "
-                   "(train.padding_free false: the update's rows padded)")
+                   "(train.padding_free false: the update's rows padded), fp4-shared, bf16-shared (shared_prompts: "
+                   "each prompt once per group)")
     p.add_argument("--size", default=None, help="random model size (default: the experiment's model_size)")
     p.add_argument("--prompts", type=int, default=0, help="prompts per step (0: the recipe's batch_size)")
     p.add_argument("--completion-cap", type=int, default=0, help="0: the recipe's max_completion_length")
@@ -236,7 +239,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
                   update_s=update_s, update_tokens=update_tokens,
                   update_tok_s=update_tokens / update_s if update_s else None,
                   update_padded_tokens_ratio=metrics.get("update/padded_tokens_ratio"),
-                  update_rows_packed=trainer.packable,
+                  update_rows_packed=trainer.packable, update_prompts_packed=trainer.prompts_packed,
                   update_compiles=compiles, update_dense_copies_gib=metrics.get("update_dense_copies_gib"),
                   step_s=step_s, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                   rollout_peak_gib=rollout_peak / 2**30, warmup_peak_gib=warm_peak / 2**30,

@@ -26,7 +26,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from qerl.errors import QerlError
-from qerl.grpo import chunked_head_logprobs, split_causal_lm
+from qerl.grpo import chunked_head_logprobs, split_causal_lm, token_logprobs
 
 log = logging.getLogger("qerl.train")
 NAME = "qerl_packed"
@@ -59,8 +59,10 @@ def _varlen_options() -> tuple[bool, bool] | None:
     return "enable_gqa" in names, "is_causal" in names
 
 
-def _flash_rows(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, longest: int, scale: float | None) -> Tensor:
-    """(T, Hq, D) causal attention of packed rows with flash's varlen kernel."""
+def _flash_rows(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tensor, longest_q: int,
+                longest_k: int, scale: float | None) -> Tensor:
+    """(T, Hq, D) causal attention of packed rows with flash's varlen kernel; a row with more keys than queries (a
+    prompt before its completion) aligns its causal mask to the last key, as flash does."""
     from torch.nn.attention.varlen import varlen_attn
 
     gqa, flag = _varlen_options()
@@ -70,16 +72,44 @@ def _flash_rows(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, longest: 
     elif key.shape[1] != query.shape[1]:  # this torch's wrapper wants equal heads: repeat each KV head
         repeat = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
-    return varlen_attn(query, key, value, cu, cu, longest, longest, scale=scale, **options)
+    return varlen_attn(query, key, value, cu_q, cu_k, longest_q, longest_k, scale=scale, **options)
 
 
-def _sdpa_rows(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scale: float | None) -> Tensor:
-    """(1, Hq, T, D) inputs, (1, T, Hq, D) output: causal SDPA over each row's slice (CPU, fp32 and fp64)."""
-    bounds = cu.tolist()
-    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                           scale=scale, enable_gqa=key.shape[1] != query.shape[1])
-            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    return torch.cat(outs, dim=2).transpose(1, 2)
+def _sdpa_rows(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tensor, scale: float | None) -> Tensor:
+    """The same with SDPA row by row (CPU, fp32 and fp64): (T, H, D) in and out."""
+    outs = []
+    for (a, b), (c, d) in zip(zip(cu_q.tolist()[:-1], cu_q.tolist()[1:]), zip(cu_k.tolist()[:-1], cu_k.tolist()[1:])):
+        if b == a:
+            continue
+        q, k, v = query[a:b].transpose(0, 1), key[c:d].transpose(0, 1), value[c:d].transpose(0, 1)
+        extra = (d - c) - (b - a)  # keys before the first query (its prompt): all visible to every query
+        mask = None if extra == 0 else torch.ones(b - a, d - c, dtype=torch.bool, device=q.device).tril(extra)
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                   enable_gqa=k.shape[0] != q.shape[0]).transpose(0, 1))
+    return torch.cat(outs) if outs else query.new_zeros(query.shape)
+
+
+class _RecordPrompts:
+    """The packed prompts' forward keeps each layer's K/V (the first: a checkpoint's recompute brings equal ones)."""
+
+    def __init__(self):
+        self.layers: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def keys(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        self.layers.setdefault(layer, (key, value))
+        return key, value
+
+
+class _PrependPrompt:
+    """The completions' forward reads, per row, its prompt's K/V and then its own (index into the two, concatenated)."""
+
+    def __init__(self, prompts: _RecordPrompts, index: Tensor):
+        self.prompts, self.index = prompts, index
+
+    def keys(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        prompt_key, prompt_value = self.prompts.layers[layer]
+        return (torch.cat([prompt_key, key]).index_select(0, self.index),
+                torch.cat([prompt_value, value]).index_select(0, self.index))
 
 
 def packed_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
@@ -99,11 +129,16 @@ def packed_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
         calls.append(module)
     if query.shape[0] != 1:
         raise QerlError(f"packed rows come as one sequence, got a batch of {query.shape[0]}")
+    query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head_dim)
+    prompts = kwargs.get("qerl_prompts")
+    if prompts is not None:
+        key, value = prompts.keys(module.layer_idx, key, value)
+    cu_k, longest = kwargs.get("cu_seq_lens_k", cu), (kwargs["max_length_q"], kwargs.get("max_length_k"))
     if query.is_cuda and query.dtype in _HALF and query.shape[-1] <= 256 and _varlen_options() is not None:
-        out = _flash_rows(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
-                          kwargs["max_length_q"], scaling)
-        return out.unsqueeze(0), None
-    return _sdpa_rows(query, key, value, cu, scaling), None
+        out = _flash_rows(query, key, value, cu, cu_k, longest[0], longest[1] or longest[0], scaling)
+    else:
+        out = _sdpa_rows(query, key, value, cu, cu_k, scaling)
+    return out.unsqueeze(0), None
 
 
 def configured_implementation() -> str:
@@ -165,6 +200,8 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logi
     longest, promptless, tokens, scored = stats.tolist()  # the only host read: every index below is built on device
     if promptless:
         raise QerlError(f"{promptless} row(s) without a prompt token: their first completion token has no state")
+    if scored == 0:  # nothing to score: the padded path keeps the graph the loss expects
+        return token_logprobs(model, input_ids, attention_mask, keep, temperature=temperature, chunk_size=chunk_size)
     cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     where = _true_positions(real.reshape(-1), tokens)  # the real tokens' flat positions, in order
     index = real.reshape(-1).long().cumsum(0).view_as(real) - 1  # each real token's place in the packed row
@@ -181,16 +218,87 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logi
                           max_length_k=longest).last_hidden_state
     finally:
         _CALLS.reset(token)
-    if not calls:
-        raise QerlError(f"{type(body).__name__} did not route attention through transformers' attention interface "
-                        "with the packed rows' bounds; set train.padding_free: false")
-    if hidden.requires_grad and _checkpointed(model):
-        config = model.config
-        hidden.register_hook(functools.partial(_check_backward_scope, config))
+    _check_routed(body, calls, model, hidden)
     lp, ent = chunked_head_logprobs(head, hidden[0].index_select(0, states), targets, temperature, chunk_size)
     grid = completion.numel()
     return (lp.new_zeros(grid).index_copy(0, scored_at, lp).view_as(completion),
             ent.new_zeros(grid).index_copy(0, scored_at, ent).view_as(completion))
+
+
+def grouped_packed_token_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                                  completion_attn: Tensor, group_size: int, *, temperature: float = 1.0,
+                                  chunk_size: int = 512) -> tuple[Tensor, Tensor]:
+    """`qerl.prefix.grouped_token_logprobs` over packed rows: each prompt computed once (a packed forward of the
+    prompts, keeping every layer's K/V), then the completions packed, each row's attention reading its prompt's K/V
+    before its own. Unlike the KV-cache path it runs under gradient checkpointing (backward inside
+    packed_attention). prompt_*: (P, Lp) left-padded; completion_*: (P * G, Lc) right-padded, row i * G + j sample j
+    of prompt i. Returns (logprobs, entropy) of shape (P * G, Lc), 0 at pad positions."""
+    rows, width = completion_ids.shape
+    if rows != prompt_ids.shape[0] * group_size or completion_attn.shape != completion_ids.shape \
+            or prompt_mask.shape != prompt_ids.shape or temperature <= 0:
+        raise QerlError(f"grouped rows: {prompt_ids.shape[0]} prompts x G={group_size} against {rows} completion "
+                        f"rows (masks the shapes of their ids, temperature > 0, got {temperature})")
+    body, head = split_causal_lm(model)
+    p_real, c_real = prompt_mask.bool(), completion_attn.bool()
+    p_len, c_len = p_real.sum(dim=1), c_real.sum(dim=1)
+    row_p_len = p_len.repeat_interleave(group_size)
+    kv_len = row_p_len + c_len
+    stats = torch.stack([p_len.sum(), c_len.sum(), p_len.max(), c_len.max(), kv_len.max(), (p_len == 0).sum()])
+    p_tokens, c_tokens, longest_p, longest_c, longest_kv, promptless = stats.tolist()  # the only host read
+    if promptless:
+        raise QerlError(f"{promptless} prompt(s) without a token: their first completion token has no state")
+    if c_tokens == 0:  # nothing to score: the padded path keeps the graph the loss expects
+        return token_logprobs(model, torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], 1),
+                              torch.cat([prompt_mask.repeat_interleave(group_size, 0), completion_attn], 1), width,
+                              temperature=temperature, chunk_size=chunk_size)
+    cu_p, cu_c, cu_kv = (F.pad(n.cumsum(0), (1, 0)) for n in (p_len, c_len, kv_len))
+    p_where = _true_positions(p_real.reshape(-1), p_tokens)
+    c_where = _true_positions(c_real.reshape(-1), c_tokens)
+    # the completions' keys, row by row: its prompt's packed K/V (indices into the prompts' tokens), then its own
+    # (indices past them, into the completions' tokens)
+    at = torch.arange(group_size * p_tokens + c_tokens, device=cu_kv.device)
+    row = torch.searchsorted(cu_kv[1:], at, right=True)
+    offset = at - cu_kv[row]
+    in_prompt = offset < row_p_len[row]
+    keys = torch.where(in_prompt, cu_p[row // group_size] + offset, p_tokens + cu_c[row] + offset - row_p_len[row])
+    prompts = _RecordPrompts()
+    calls: list = []
+    token = _CALLS.set(calls)
+    try:
+        with packed_attention(model):
+            first = body(input_ids=prompt_ids.reshape(-1)[p_where][None],
+                         position_ids=(p_real.long().cumsum(1) - 1).reshape(-1)[p_where][None], use_cache=False,
+                         cu_seq_lens_q=cu_p.int(), cu_seq_lens_k=cu_p.int(), max_length_q=longest_p,
+                         max_length_k=longest_p, qerl_prompts=prompts).last_hidden_state
+            positions = (c_real.long().cumsum(1) - 1 + row_p_len[:, None]).reshape(-1)[c_where]
+            second = body(input_ids=completion_ids.reshape(-1)[c_where][None], position_ids=positions[None],
+                          use_cache=False, cu_seq_lens_q=cu_c.int(), cu_seq_lens_k=cu_kv.int(),
+                          max_length_q=longest_c, max_length_k=longest_kv,
+                          qerl_prompts=_PrependPrompt(prompts, keys)).last_hidden_state
+    finally:
+        _CALLS.reset(token)
+    _check_routed(body, calls, model, first, second)
+    # the state before each completion token: its prompt's last one for the first, else the completion's previous
+    last_prompt = first[0].index_select(0, cu_p[1:] - 1).repeat_interleave(group_size, 0)
+    packed_at = torch.arange(c_tokens, device=c_where.device)
+    row_of = c_where // width
+    before = torch.where(packed_at == cu_c[row_of], row_of, rows + packed_at - 1)
+    states = torch.cat([last_prompt, second[0]]).index_select(0, before)
+    lp, ent = chunked_head_logprobs(head, states, completion_ids.reshape(-1)[c_where], temperature, chunk_size)
+    return (lp.new_zeros(rows * width).index_copy(0, c_where, lp).view(rows, width),
+            ent.new_zeros(rows * width).index_copy(0, c_where, ent).view(rows, width))
+
+
+def _check_routed(body, calls: list, model, *hidden: Tensor) -> None:
+    """The packed rows reached the attention interface (else they would have attended across rows), and a backward
+    under gradient checkpointing will be checked for packed_attention."""
+    if not calls:
+        raise QerlError(f"{type(body).__name__} did not route attention through transformers' attention interface "
+                        "with the packed rows' bounds; set train.padding_free: false")
+    if _checkpointed(model):
+        for h in hidden:
+            if h.requires_grad:
+                h.register_hook(functools.partial(_check_backward_scope, model.config))
 
 
 def _true_positions(flags: Tensor, count: int) -> Tensor:

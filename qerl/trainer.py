@@ -28,7 +28,7 @@ from qerl.errors import QerlError, out_of_memory_names
 from qerl.fsdp import data_parallel, fuse_as_rank0
 from qerl.grpo import constant_groups, group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.optim import build_optimizer
-from qerl.packing import packed_attention, packed_token_logprobs, packing_possible
+from qerl.packing import grouped_packed_token_logprobs, packed_attention, packed_token_logprobs, packing_possible
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
 from qerl.rollout.attention import sdpa_without_cudnn
@@ -91,7 +91,9 @@ class GRPOTrainer:
 
             tile_mlps(model, cfg.mlp_chunks)
         self.parallel = data_parallel(model, cfg, ranks)  # after the forward swaps: they probe the weights
-        self.packable = packing_possible(model, cfg.padding_free and not self.share_prefix)  # else padded rows
+        packable = packing_possible(model, bool(cfg.padding_free))  # the padded rows where the model needs them
+        self.prompts_packed = packable and cfg.padding_free == "shared_prompts"  # each prompt once per group
+        self.packable = self.prompts_packed or (packable and not self.share_prefix)  # a packed forward runs
         self.device = next(p for p in model.parameters()).device
         self.total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * len(prompts) / cfg.batch_size)
         params = self.trainable = [p for p in model.parameters() if p.requires_grad]
@@ -216,10 +218,7 @@ class GRPOTrainer:
         return torch.stack(columns, dim=1), stats.timeouts
 
     def _weighted_total(self, values: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros(values.shape[0])
-        for j, (_, _, weight) in enumerate(self.reward_fns):
-            total += weight * values[:, j]
-        return total
+        return sum((w * values[:, j] for j, (_, _, w) in enumerate(self.reward_fns)), torch.zeros(len(values)))
 
     def score(self, texts: list[str], answers: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
         """Weighted total reward per completion and the per-function means (one process's rows)."""
@@ -240,8 +239,10 @@ class GRPOTrainer:
     # ---- update ----
     @property
     def share_prefix(self) -> bool:
-        """Prompt computed once per group (qerl.prefix) unless gradient checkpointing disables the KV cache."""
-        return not self.cfg.gradient_checkpointing and self.cfg.micro_batch_size % self.cfg.num_generations == 0
+        """Each prompt computed once per group where micro-batches hold whole groups: packed (qerl.packing) or over a
+        KV cache (qerl.prefix), which gradient checkpointing disables."""
+        whole = self.cfg.micro_batch_size % self.cfg.num_generations == 0
+        return whole and (self.prompts_packed or not self.cfg.gradient_checkpointing)
 
     def _autocast_dtype(self) -> torch.dtype | None:
         """The half dtype the training forward autocasts to (train.mixed_precision), None when it does not."""
@@ -253,10 +254,9 @@ class GRPOTrainer:
         return next(iter(half)) if len(half) == 1 and trained == {torch.float32} else None
 
     def _forward_precision(self, backward: bool = False):
-        """torch.autocast in the model's half dtype with peft's fp32 input casts off, or nothing. For backward only
-        the casts are off: gradient checkpointing re-runs the forward there (under the autocast state it recorded)
-        and must not make the fp32 input copies the forward avoided. Both keep cuDNN out of SDPA unless
-        train.cudnn_attention: a host graph build per new length (~0.6 s per 7B micro-batch, H100) stalled the GPU."""
+        """torch.autocast in the model's half dtype with peft's fp32 input casts off, or nothing; backward: only the
+        casts off (checkpoints recompute under the autocast state they recorded, without fp32 input copies). Both
+        keep cuDNN out of SDPA unless train.cudnn_attention (a host graph build per new length stalled the GPU)."""
         stack = contextlib.ExitStack()
         stack.enter_context(packed_attention(self.model) if self.packable else contextlib.nullcontext())  # recompute
         if not self.cfg.cudnn_attention:
@@ -283,7 +283,8 @@ class GRPOTrainer:
         if self.share_prefix:
             g = self.cfg.num_generations
             groups = slice(rows.start // g, rows.stop // g)
-            return grouped_token_logprobs(
+            grouped = grouped_packed_token_logprobs if self.prompts_packed else grouped_token_logprobs
+            return grouped(
                 self.model, batch.input_ids[::g][groups, :plen], batch.attention_mask[::g][groups, :plen],
                 batch.input_ids[rows, plen:], batch.attention_mask[rows, plen:], g, **options)
         forward = packed_token_logprobs if self.packable else token_logprobs  # rows without their padding

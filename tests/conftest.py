@@ -65,3 +65,16 @@ def nvfp4_dir(tmp_path_factory, tiny_model_dir) -> Path:
     report = quantize_checkpoint(tiny_model_dir, out, "nvfp4")
     out.joinpath("report.json").write_text(json.dumps(report))
     return out
+
+
+@pytest.fixture
+def float64_norms(monkeypatch):
+    """Qwen2's RMSNorm computes in float32 even in a float64 model: here in float64, so that two exact ways to the
+    same value agree to float64 rounding (with float32 norms they differ by ~1e-7 wherever attention sums in
+    another order, e.g. a prompt's keys read through a mask against the plain causal rows)."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    def forward(self, hidden):
+        return self.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", forward)

@@ -98,8 +98,9 @@ def _grads(tiny_model_dir, tmp_path, batch, monkeypatch, *, by_length, loss_type
     monkeypatch.setattr(trainer.optimizer, "zero_grad", lambda *a, **k: None)
     metrics = trainer.update(batch, 0)
     computed = sum(len(p) * micro_batch(batch, p).input_ids.shape[1] for p in seen[0])
-    packed = padding_free and checkpointing  # without checkpointing each prompt is computed once per group instead
-    assert trainer.packable == packed
+    # without checkpointing each prompt is computed once per group over a KV cache, unless packed with its group
+    packed = padding_free == "shared_prompts" or (padding_free and checkpointing)
+    assert trainer.packable == packed and trainer.prompts_packed == (padding_free == "shared_prompts")
     assert metrics["update/padded_tokens_ratio"] == pytest.approx(
         1.0 if packed else computed / float(batch.attention_mask.sum()))
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, seen[0]
@@ -134,6 +135,23 @@ def test_packed_update_gives_the_padded_gradient(tiny_model_dir, tmp_path, monke
     for name in packed:
         scale = padded[name].norm()
         assert scale > 0 and (packed[name] - padded[name]).norm() / scale < 1e-10, name
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_shared_prompt_update_gives_the_padded_gradient(tiny_model_dir, tmp_path, monkeypatch, checkpointing,
+                                                        float64_norms):
+    """train.padding_free shared_prompts: each prompt computed once per group in packed rows, also under gradient
+    checkpointing (where the KV-cache path cannot run); a whole update has the padded rows' gradient."""
+    batch = _batch([2, 9, 1, 8, 3, 7, 9, 1])
+    batch.input_ids[1::2, :3] = batch.input_ids[0::2, :3]  # G = 2 samples of each prompt
+    shared, parts = _grads(tiny_model_dir, tmp_path / "a", batch, monkeypatch, by_length=True, loss_type="dapo",
+                           checkpointing=checkpointing, padding_free="shared_prompts")
+    padded, _ = _grads(tiny_model_dir, tmp_path / "b", batch, monkeypatch, by_length=True, loss_type="dapo",
+                       checkpointing=True, padding_free=False)
+    assert all(len(p) == 2 and p[0] // 2 == p[1] // 2 for p in parts)  # whole groups (G = 2) per micro-batch
+    for name in padded:
+        scale = padded[name].norm()
+        assert scale > 0 and (shared[name] - padded[name]).norm() / scale < 1e-10, name
 
 
 def test_bnpo_keeps_its_rows_as_they_came(tiny_model_dir, tmp_path, monkeypatch):

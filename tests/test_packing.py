@@ -161,3 +161,113 @@ def test_true_positions_without_a_host_read():
     for flags in cases:
         want = flags.nonzero().squeeze(1)
         assert torch.equal(_true_positions(flags, int(flags.sum())), want)
+
+
+def _groups(prompts, completions, g):
+    """Left-padded prompts (P, Lp) and right-padded completions (P * G, Lc), row i * G + j of prompt i."""
+    gen = torch.Generator().manual_seed(11)
+    plen, clen = max(prompts), max(completions)
+    p_ids, p_mask = torch.zeros(len(prompts), plen, dtype=torch.long), torch.zeros(len(prompts), plen, dtype=torch.long)
+    for i, n in enumerate(prompts):
+        p_ids[i, plen - n:], p_mask[i, plen - n:] = torch.randint(10, 1000, (n,), generator=gen), 1
+    c_ids = torch.zeros(len(completions), clen, dtype=torch.long)
+    c_mask = torch.zeros_like(c_ids)
+    for i, n in enumerate(completions):
+        c_ids[i, :n], c_mask[i, :n] = torch.randint(10, 1000, (n,), generator=gen), 1
+    assert len(completions) == g * len(prompts)
+    return p_ids, p_mask, c_ids, c_mask
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_grouped_packed_equals_plain_rows_in_float64(tiny_model_dir, checkpointing, float64_norms):
+    """Each prompt once, its K/V read by its G completions: the log-probs, entropies and LoRA gradients of the
+    plain padded rows (prompt repeated per row), with and without gradient checkpointing; an empty completion."""
+    from qerl.packing import grouped_packed_token_logprobs
+
+    g = 3
+    p_ids, p_mask, c_ids, c_mask = _groups([5, 9], [4, 1, 7, 0, 6, 2], g)
+    ids = torch.cat([p_ids.repeat_interleave(g, 0), c_ids], 1)
+    mask = torch.cat([p_mask.repeat_interleave(g, 0), c_mask], 1)
+    comp = c_mask.bool()
+    weights = torch.rand(comp.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    model = _model(tiny_model_dir, checkpointing=checkpointing)
+    lp_ref, ent_ref = token_logprobs(model, ids, mask, c_ids.shape[1], temperature=0.8, chunk_size=4)
+    (lp_ref * weights * comp).sum().backward()
+    ref = _grads(model)
+    lp, ent = grouped_packed_token_logprobs(model, p_ids, p_mask, c_ids, c_mask, g, temperature=0.8, chunk_size=4)
+    with packed_attention(model):
+        (lp * weights * comp).sum().backward()
+    got = _grads(model)
+    torch.testing.assert_close(lp[comp], lp_ref[comp], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ent[comp], ent_ref[comp], rtol=1e-10, atol=1e-10)
+    assert (lp[~comp] == 0).all()
+    for name, grad in ref.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-9, atol=1e-12)
+    assert sum(float(x.abs().sum()) for x in ref.values()) > 0
+
+
+def test_grouped_packed_rows_see_only_their_own_prompt_and_completion(tiny_model_dir):
+    from qerl.packing import grouped_packed_token_logprobs
+
+    model = _model(tiny_model_dir)
+    p_ids, p_mask, c_ids, c_mask = _groups([6, 4], [5, 3, 4, 6], 2)
+    with torch.no_grad():
+        first, _ = grouped_packed_token_logprobs(model, p_ids, p_mask, c_ids, c_mask, 2)
+        other_c = c_ids.clone()
+        other_c[1] = torch.where(c_mask[1].bool(), (c_ids[1] + 13) % 900 + 10, c_ids[1])  # row 0's group mate
+        other_p = p_ids.clone()
+        other_p[1] = torch.where(p_mask[1].bool(), (p_ids[1] + 7) % 900 + 10, p_ids[1])  # the other group's prompt
+        second, _ = grouped_packed_token_logprobs(model, other_p, p_mask, other_c, c_mask, 2)
+    torch.testing.assert_close(second[0], first[0], rtol=0, atol=1e-12)
+    assert not torch.allclose(second[2], first[2]) and not torch.allclose(second[1], first[1])
+
+
+def test_no_completion_token_falls_back_to_the_padded_rows(tiny_model_dir):
+    from qerl.packing import grouped_packed_token_logprobs
+
+    model = _model(tiny_model_dir)
+    ids, mask, keep = _rows([4, 6], [1, 1])
+    mask[:, -keep:] = 0  # every completion empty: one padded column
+    lp, _ = packed_token_logprobs(model, ids, mask, keep)
+    assert lp.shape == (2, keep) and lp.requires_grad
+    p_ids, p_mask, c_ids, c_mask = _groups([3, 5], [1, 1, 1, 1], 2)
+    c_mask[:] = 0
+    lp, _ = grouped_packed_token_logprobs(model, p_ids, p_mask, c_ids, c_mask, 2)
+    assert lp.shape == (4, 1) and lp.requires_grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_grouped_flash_rows_match_float64_on_gpu(tiny_model_dir, checkpointing, monkeypatch):
+    """bf16 on CUDA: completions reading their prompt's K/V through flash's varlen kernel (more keys than queries:
+    the causal mask aligned to the last key) against the plain rows in float64, and their gradients against the
+    plain bf16 rows'."""
+    import qerl.packing as packing
+
+    seen = []
+    flash = packing._flash_rows
+    monkeypatch.setattr(packing, "_flash_rows", lambda *a: seen.append(a[0].shape[0] != a[1].shape[0]) or flash(*a))
+    g = 4
+    p_ids, p_mask, c_ids, c_mask = _groups([37, 120], [200, 17, 150, 0, 96, 64, 5, 180], g)
+    ids = torch.cat([p_ids.repeat_interleave(g, 0), c_ids], 1)
+    mask = torch.cat([p_mask.repeat_interleave(g, 0), c_mask], 1)
+    comp = c_mask.bool()
+    with torch.no_grad():
+        want, _ = token_logprobs(_model(tiny_model_dir, torch.float64), ids, mask, c_ids.shape[1])
+    model = _model(tiny_model_dir, torch.bfloat16, checkpointing).cuda()
+    weights = comp.cuda().float()
+    plain, _ = token_logprobs(model, ids.cuda(), mask.cuda(), c_ids.shape[1])
+    (plain.float() * weights).sum().backward()
+    ref = _grads(model)
+    grouped, _ = packing.grouped_packed_token_logprobs(model, p_ids.cuda(), p_mask.cuda(), c_ids.cuda(),
+                                                       c_mask.cuda(), g)
+    with packed_attention(model):
+        (grouped.float() * weights).sum().backward()
+    got = _grads(model)
+    assert True in seen, "no flash call read a prompt's keys"
+    err_grouped = (grouped.double().cpu() - want)[comp].abs().max()
+    err_plain = (plain.double().cpu() - want)[comp].abs().max()
+    assert err_grouped <= 2 * err_plain + 1e-3, (err_grouped, err_plain)
+    for name, grad in ref.items():
+        cos = torch.nn.functional.cosine_similarity(got[name].double().flatten(), grad.double().flatten(), dim=0)
+        assert cos > 0.99, (name, float(cos))

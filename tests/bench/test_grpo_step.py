@@ -119,15 +119,17 @@ def test_fp4_packed_mode_runs_every_update_over_the_packed_weights(tmp_path):
 
 
 def test_padded_mode_pads_the_updates_rows(tmp_path):
-    """--modes bf16,bf16-padded: the update's rows packed (train.padding_free, the default: only real tokens
-    computed) and padded (each micro-batch to its longest row)."""
+    """--modes bf16,bf16-padded,bf16-shared: the update's rows packed (train.padding_free, the default: only real
+    tokens computed), padded (each micro-batch to its longest row), and packed with each prompt once per group."""
     out = tmp_path / "padded.json"
-    assert grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", "bf16,bf16-padded", "--prompts", "2",
+    modes = "bf16,bf16-padded,bf16-shared"
+    assert grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", modes, "--prompts", "2",
                            "--completion-cap", "12", "--median", "5", "--prompt-len", "8", "--warmup-tokens", "2",
                            "--out", str(out)]) == 0
-    packed, padded = json.loads(out.read_text())["results"]
+    packed, padded, shared = json.loads(out.read_text())["results"]
     assert (packed["mode"], padded["mode"]) == ("bf16+lora", "bf16-padded+lora")
     assert packed["update_rows_packed"] and not padded["update_rows_packed"]
+    assert shared["update_prompts_packed"] and not packed["update_prompts_packed"]
     assert packed["update_padded_tokens_ratio"] == 1.0 < padded["update_padded_tokens_ratio"]
 
 
