@@ -317,6 +317,15 @@ def _check_backward_scope(config, grad: Tensor) -> None:
                         "qerl.packing.packed_attention(model)")
 
 
+def positions_computed(attention_mask: Tensor, completion_len: int, packed: bool, group: int = 1) -> int:
+    """Token positions a forward of these rows (TRL's layout) computes: every position of the padded rows, or only
+    the real tokens of packed ones; with group > 1 (rows i * G + j sharing a prompt) each prompt once per group."""
+    prompt, completion = attention_mask[:, :-completion_len], attention_mask[:, -completion_len:]
+    if packed:
+        return int(prompt[::group].sum() + completion.sum())
+    return prompt[::group].numel() + completion.numel()
+
+
 def packing_possible(model, wanted: bool) -> bool:
     """train.padding_free for this model (wanted: the config asks and the rows are not prompt-shared): False, logged,
     where its attention cannot be packed."""

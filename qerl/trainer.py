@@ -28,11 +28,13 @@ from qerl.errors import QerlError, out_of_memory_names
 from qerl.fsdp import data_parallel, fuse_as_rank0
 from qerl.grpo import constant_groups, group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.optim import build_optimizer
-from qerl.packing import grouped_packed_token_logprobs, packed_attention, packed_token_logprobs, packing_possible
+from qerl.packing import (grouped_packed_token_logprobs, packed_attention, packed_token_logprobs, packing_possible,
+                          positions_computed)
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
 from qerl.rollout.attention import sdpa_without_cudnn
 from qerl.rollout.residency import UpdateMemory, update_reserve
+from qerl.tiled_mlp import tile_mlps
 from qerl.update_copies import update_copies
 
 if TYPE_CHECKING:  # pydantic is not on the GPU image; the trainer only reads the config's attributes
@@ -86,10 +88,7 @@ class GRPOTrainer:
         ranks.share(cfg.batch_size, "prompts of a step (train.batch_size)")  # fails early when uneven
         if cfg.fused_elementwise:  # before tiling: a tiled MLP's slices then run the compiled activation
             fuse_as_rank0(model, cfg, ranks)  # sharded, the other ranks' models are empty here: rank 0 probes
-        if cfg.mlp_chunks > 1:
-            from qerl.tiled_mlp import tile_mlps
-
-            tile_mlps(model, cfg.mlp_chunks)
+        tile_mlps(model, cfg.mlp_chunks)  # 1: untiled
         self.parallel = data_parallel(model, cfg, ranks)  # after the forward swaps: they probe the weights
         packable = packing_possible(model, bool(cfg.padding_free))  # the padded rows where the model needs them
         self.prompts_packed = packable and cfg.padding_free == "shared_prompts"  # each prompt once per group
@@ -381,8 +380,9 @@ class GRPOTrainer:
             sums["adapter/update_norm"] = update_norm(before, self.trainable)
         sums = {k: float(v) for k, v in sums.items()}
         sums["timing/update"] = time.perf_counter() - t0
-        # positions the forwards computed per real token (padding of prompts and of each micro-batch's completions)
-        computed = sum(int(s.attention_mask.sum()) if self.packable else s.attention_mask.numel() for s in subs)
+        # positions the forwards computed per real token (padding, and prompts computed once per group)
+        group = cfg.num_generations if self.share_prefix else 1
+        computed = sum(positions_computed(s.attention_mask, s.completion_len, self.packable, group) for s in subs)
         sums["update/padded_tokens_ratio"] = computed / max(int(batch.attention_mask.sum()), 1)
         sums = self.ranks.reduce_metrics(sums, maxima=("timing/update",))  # equal micro-batches per rank: means
         sums["loss"] *= accumulation  # one update's loss is the sum over its micro-batches (every rank's)

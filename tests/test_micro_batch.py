@@ -97,12 +97,21 @@ def _grads(tiny_model_dir, tmp_path, batch, monkeypatch, *, by_length, loss_type
     monkeypatch.setattr(trainer.optimizer, "step", lambda *a, **k: None)  # keep the accumulated gradient
     monkeypatch.setattr(trainer.optimizer, "zero_grad", lambda *a, **k: None)
     metrics = trainer.update(batch, 0)
-    computed = sum(len(p) * micro_batch(batch, p).input_ids.shape[1] for p in seen[0])
+    g = cfg.num_generations if trainer.share_prefix else 1  # prompts computed once per group of g rows
+
+    def positions(p):  # every prompt of _batch holds 2 real tokens
+        sub = micro_batch(batch, p)
+        rows, width, clen = len(p), sub.input_ids.shape[1], sub.completion_len
+        if not trainer.packable:
+            return rows * width - (rows - rows // g) * (width - clen)
+        return int(sub.attention_mask.sum()) - (rows - rows // g) * 2
+
+    computed = sum(positions(p) for p in seen[0])
     # without checkpointing each prompt is computed once per group over a KV cache, unless packed with its group
     packed = padding_free == "shared_prompts" or (padding_free and checkpointing)
     assert trainer.packable == packed and trainer.prompts_packed == (padding_free == "shared_prompts")
-    assert metrics["update/padded_tokens_ratio"] == pytest.approx(
-        1.0 if packed else computed / float(batch.attention_mask.sum()))
+    assert metrics["update/padded_tokens_ratio"] == pytest.approx(computed / float(batch.attention_mask.sum()))
+    assert (metrics["update/padded_tokens_ratio"] == 1.0) == (packed and g == 1)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, seen[0]
 
 

@@ -271,3 +271,14 @@ def test_grouped_flash_rows_match_float64_on_gpu(tiny_model_dir, checkpointing, 
     for name, grad in ref.items():
         cos = torch.nn.functional.cosine_similarity(got[name].double().flatten(), grad.double().flatten(), dim=0)
         assert cos > 0.99, (name, float(cos))
+
+
+def test_positions_computed_in_each_layout():
+    """Padded rows compute every position, packed ones their real tokens; shared prompts count once per group."""
+    from qerl.packing import positions_computed
+
+    ids, mask, keep = _rows([3, 5, 2, 4], [2, 4, 1, 3])  # 4 rows of 5 + 4 positions, 14 + 10 real tokens
+    assert positions_computed(mask, keep, packed=False) == 4 * 9
+    assert positions_computed(mask, keep, packed=True) == 24
+    assert positions_computed(mask, keep, packed=False, group=2) == 2 * 5 + 4 * 4
+    assert positions_computed(mask, keep, packed=True, group=2) == (3 + 2) + 10  # rows 0 and 2 hold the prompts
