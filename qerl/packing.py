@@ -41,6 +41,8 @@ def unsupported_reason(model) -> str | None:
     config = model.config
     if config._attn_implementation not in ("sdpa", "eager"):
         return f"its attention implementation {config._attn_implementation!r} (packing wants sdpa or eager)"
+    if getattr(config, "attention_dropout", 0.0):  # flash varlen here runs without dropout
+        return f"its attention_dropout {config.attention_dropout}"
     kinds = getattr(config, "layer_types", None)
     if kinds is not None:
         return None if all(k == "full_attention" for k in kinds) else f"its layer_types {sorted(set(kinds))}"
@@ -132,6 +134,9 @@ def packed_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
     query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head_dim)
     prompts = kwargs.get("qerl_prompts")
     if prompts is not None:
+        if getattr(module, "layer_idx", None) is None:
+            raise QerlError(f"{type(module).__name__} has no layer_idx to file its prompt's keys under; set "
+                            "train.padding_free: true (packed rows without shared prompts)")
         key, value = prompts.keys(module.layer_idx, key, value)
     cu_k, longest = kwargs.get("cu_seq_lens_k", cu), (kwargs["max_length_q"], kwargs.get("max_length_k"))
     if query.is_cuda and query.dtype in _HALF and query.shape[-1] <= 256 and _varlen_options() is not None:

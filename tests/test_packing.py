@@ -113,6 +113,9 @@ def test_bad_rows_and_models_fail_in_one_line(tiny_model_dir):
     model.config._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in unsupported_reason(model)
     model.config._attn_implementation = "sdpa"
+    model.config.attention_dropout = 0.1
+    assert "attention_dropout" in unsupported_reason(model)
+    model.config.attention_dropout = 0.0
     assert packing_possible(model, True) and not packing_possible(model, False)
     model.config.layer_types = ["sliding_attention"] * len(model.config.layer_types)
     assert "sliding_attention" in unsupported_reason(model)
