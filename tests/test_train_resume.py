@@ -294,7 +294,7 @@ def test_mlp_chunks_give_the_same_update(nvfp4_dir, task, tmp_path, monkeypatch)
     from qerl.tiled_mlp import decoder_mlps
     from qerl.train import _setup_data, _setup_model, _setup_rewards
 
-    adapters = []
+    steps = []
     for chunks in (1, 3):
         cfg = parse_section("train", {**_train_config(task), "gradient_checkpointing": True, "mlp_chunks": chunks})
         torch.manual_seed(0)
@@ -304,10 +304,14 @@ def test_mlp_chunks_give_the_same_update(nvfp4_dir, task, tmp_path, monkeypatch)
                                      checkpoint_dir=tmp_path / f"ck{chunks}")
         mlps = decoder_mlps(model)
         assert mlps and all(hasattr(m, "_qerl_untiled_forward") == (chunks > 1) for m in mlps)
+        start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         tr.update(tr.rollout(0), 0)
-        adapters.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
-    for name in adapters[0]:
-        torch.testing.assert_close(adapters[1][name], adapters[0][name], rtol=1e-5, atol=1e-7)
+        steps.append({n: p.detach() - start[n] for n, p in model.named_parameters() if p.requires_grad})
+    # float32 GEMMs round by their row count (the slices'), and AdamW's first step is ~lr * sign(g) where a
+    # gradient is near 0: compare each tensor's step by its norm, not element by element
+    for name, step in steps[0].items():  # (LoRA A does not move in the first step: B starts at zero)
+        assert (steps[1][name] - step).norm() <= 1e-4 * step.norm(), name
+    assert sum(float(step.norm()) > 0 for step in steps[0].values()) >= len(steps[0]) // 2
 
 
 def test_paged_engine_trains_as_the_torch_engine(nvfp4_dir, task, tmp_path):
