@@ -172,7 +172,7 @@ def run_mode(args, mode: str, train_cfg, size: str, lengths: list[int], bandwidt
     rollout = train_cfg.rollout.model_copy(update={"engine": "paged",  # the bench's engine, whatever the recipe's
                                                    "compile": "auto" if args.compile == "auto" else False})
     fp4 = mode.startswith("fp4")
-    variant = VARIANTS.get(mode.split("-", 1)[-1], {}) if "-" in mode else {}
+    variant = VARIANTS.get(mode.partition("-")[2], {})
     cfg = train_cfg.model_copy(update={"mode": "qlora_fp4" if fp4 else "lora", "aqn": train_cfg.aqn if fp4 else None,
                                        "rollout": rollout, **variant})
     model = build_lora_model(size, "fp4" if fp4 else "bf16", cfg.lora.lora_r, args.seed, args.device)

@@ -79,8 +79,8 @@ def _flash_rows(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: T
 
 def _sdpa_rows(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tensor, scale: float | None) -> Tensor:
     """The same with SDPA row by row (CPU, fp32 and fp64): (T, H, D) in and out."""
-    outs = []
-    for (a, b), (c, d) in zip(zip(cu_q.tolist()[:-1], cu_q.tolist()[1:]), zip(cu_k.tolist()[:-1], cu_k.tolist()[1:])):
+    outs, bq, bk = [], cu_q.tolist(), cu_k.tolist()
+    for a, b, c, d in zip(bq, bq[1:], bk, bk[1:]):
         if b == a:
             continue
         q, k, v = query[a:b].transpose(0, 1), key[c:d].transpose(0, 1), value[c:d].transpose(0, 1)
@@ -138,9 +138,9 @@ def packed_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
             raise QerlError(f"{type(module).__name__} has no layer_idx to file its prompt's keys under; set "
                             "train.padding_free: true (packed rows without shared prompts)")
         key, value = prompts.keys(module.layer_idx, key, value)
-    cu_k, longest = kwargs.get("cu_seq_lens_k", cu), (kwargs["max_length_q"], kwargs.get("max_length_k"))
+    cu_k, longest_q = kwargs.get("cu_seq_lens_k", cu), kwargs["max_length_q"]
     if query.is_cuda and query.dtype in _HALF and query.shape[-1] <= 256 and _varlen_options() is not None:
-        out = _flash_rows(query, key, value, cu, cu_k, longest[0], longest[1] or longest[0], scaling)
+        out = _flash_rows(query, key, value, cu, cu_k, longest_q, kwargs.get("max_length_k", longest_q), scaling)
     else:
         out = _sdpa_rows(query, key, value, cu, cu_k, scaling)
     return out.unsqueeze(0), None
@@ -214,20 +214,12 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logi
     states = index[:, -keep:].reshape(-1)[scored_at] - 1  # a completion token is scored by the state before it
     targets = input_ids[:, -keep:].reshape(-1)[scored_at]
     positions = (real.long().cumsum(1) - 1).reshape(-1)[where]
-    calls: list = []
-    token = _CALLS.set(calls)
-    try:
-        with packed_attention(model):
-            hidden = body(input_ids=input_ids.reshape(-1)[where][None], position_ids=positions[None],
-                          use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
-                          max_length_k=longest).last_hidden_state
-    finally:
-        _CALLS.reset(token)
-    _check_routed(body, calls, model, hidden)
-    lp, ent = chunked_head_logprobs(head, hidden[0].index_select(0, states), targets, temperature, chunk_size)
-    grid = completion.numel()
-    return (lp.new_zeros(grid).index_copy(0, scored_at, lp).view_as(completion),
-            ent.new_zeros(grid).index_copy(0, scored_at, ent).view_as(completion))
+    with _routed(model, body) as hidden:
+        hidden.append(body(input_ids=input_ids.reshape(-1)[where][None], position_ids=positions[None],
+                           use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                           max_length_k=longest).last_hidden_state)
+    lp, ent = chunked_head_logprobs(head, hidden[0][0].index_select(0, states), targets, temperature, chunk_size)
+    return _placed(lp, scored_at, completion.shape), _placed(ent, scored_at, completion.shape)
 
 
 def grouped_packed_token_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
@@ -267,22 +259,17 @@ def grouped_packed_token_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor
     in_prompt = offset < row_p_len[row]
     keys = torch.where(in_prompt, cu_p[row // group_size] + offset, p_tokens + cu_c[row] + offset - row_p_len[row])
     prompts = _RecordPrompts()
-    calls: list = []
-    token = _CALLS.set(calls)
-    try:
-        with packed_attention(model):
-            first = body(input_ids=prompt_ids.reshape(-1)[p_where][None],
-                         position_ids=(p_real.long().cumsum(1) - 1).reshape(-1)[p_where][None], use_cache=False,
-                         cu_seq_lens_q=cu_p.int(), cu_seq_lens_k=cu_p.int(), max_length_q=longest_p,
-                         max_length_k=longest_p, qerl_prompts=prompts).last_hidden_state
-            positions = (c_real.long().cumsum(1) - 1 + row_p_len[:, None]).reshape(-1)[c_where]
-            second = body(input_ids=completion_ids.reshape(-1)[c_where][None], position_ids=positions[None],
-                          use_cache=False, cu_seq_lens_q=cu_c.int(), cu_seq_lens_k=cu_kv.int(),
-                          max_length_q=longest_c, max_length_k=longest_kv,
-                          qerl_prompts=_PrependPrompt(prompts, keys)).last_hidden_state
-    finally:
-        _CALLS.reset(token)
-    _check_routed(body, calls, model, first, second)
+    positions = (c_real.long().cumsum(1) - 1 + row_p_len[:, None]).reshape(-1)[c_where]
+    with _routed(model, body) as hidden:
+        hidden.append(body(input_ids=prompt_ids.reshape(-1)[p_where][None],
+                           position_ids=(p_real.long().cumsum(1) - 1).reshape(-1)[p_where][None], use_cache=False,
+                           cu_seq_lens_q=cu_p.int(), cu_seq_lens_k=cu_p.int(), max_length_q=longest_p,
+                           max_length_k=longest_p, qerl_prompts=prompts).last_hidden_state)
+        hidden.append(body(input_ids=completion_ids.reshape(-1)[c_where][None], position_ids=positions[None],
+                           use_cache=False, cu_seq_lens_q=cu_c.int(), cu_seq_lens_k=cu_kv.int(),
+                           max_length_q=longest_c, max_length_k=longest_kv,
+                           qerl_prompts=_PrependPrompt(prompts, keys)).last_hidden_state)
+    first, second = hidden
     # the state before each completion token: its prompt's last one for the first, else the completion's previous
     last_prompt = first[0].index_select(0, cu_p[1:] - 1).repeat_interleave(group_size, 0)
     packed_at = torch.arange(c_tokens, device=c_where.device)
@@ -290,13 +277,21 @@ def grouped_packed_token_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor
     before = torch.where(packed_at == cu_c[row_of], row_of, rows + packed_at - 1)
     states = torch.cat([last_prompt, second[0]]).index_select(0, before)
     lp, ent = chunked_head_logprobs(head, states, completion_ids.reshape(-1)[c_where], temperature, chunk_size)
-    return (lp.new_zeros(rows * width).index_copy(0, c_where, lp).view(rows, width),
-            ent.new_zeros(rows * width).index_copy(0, c_where, ent).view(rows, width))
+    return _placed(lp, c_where, (rows, width)), _placed(ent, c_where, (rows, width))
 
 
-def _check_routed(body, calls: list, model, *hidden: Tensor) -> None:
-    """The packed rows reached the attention interface (else they would have attended across rows), and a backward
-    under gradient checkpointing will be checked for packed_attention."""
+@contextlib.contextmanager
+def _routed(model, body):
+    """Packed forwards of `body` inside packed_attention; yields the list their outputs go in. After the block: the
+    rows reached the attention interface (else they would have attended across rows), and under gradient
+    checkpointing each output checks, when backward reaches it, that backward runs inside packed_attention."""
+    calls, hidden = [], []
+    token = _CALLS.set(calls)
+    try:
+        with packed_attention(model):
+            yield hidden
+    finally:
+        _CALLS.reset(token)
     if not calls:
         raise QerlError(f"{type(body).__name__} did not route attention through transformers' attention interface "
                         "with the packed rows' bounds; set train.padding_free: false")
@@ -304,6 +299,11 @@ def _check_routed(body, calls: list, model, *hidden: Tensor) -> None:
         for h in hidden:
             if h.requires_grad:
                 h.register_hook(functools.partial(_check_backward_scope, model.config))
+
+
+def _placed(values: Tensor, at: Tensor, shape: tuple[int, int]) -> Tensor:
+    """Scored tokens' values at their flat positions `at` of a (rows, width) grid, 0 elsewhere (differentiable)."""
+    return values.new_zeros(shape[0] * shape[1]).index_copy(0, at, values).view(shape)
 
 
 def _true_positions(flags: Tensor, count: int) -> Tensor:
@@ -332,8 +332,8 @@ def positions_computed(attention_mask: Tensor, completion_len: int, packed: bool
 
 
 def packing_possible(model, wanted: bool) -> bool:
-    """train.padding_free for this model (wanted: the config asks and the rows are not prompt-shared): False, logged,
-    where its attention cannot be packed."""
+    """train.padding_free for this model (wanted: the config asks for packed rows): False, logged, where its
+    attention cannot be packed."""
     reason = unsupported_reason(model) if wanted else None
     if reason:
         log.info("train.padding_free: padded update forwards for %s (%s)", type(model).__name__, reason)
