@@ -158,10 +158,9 @@ class TrainConfig(_Section):
     dense_weights: bool | Literal["auto"] = Field("auto", description="the update's GEMMs over per-update dense "
                                                   "copies of the FP4 base (qerl.update_copies); auto: where they fit")
     mixed_precision: Literal["auto", "off"] = Field(
-        "auto", description="auto: a model computing in bf16/fp16 with fp32 trainable parameters (peft adapters) "
-        "runs its training forward under torch.autocast in the model's dtype (LoRA matmuls in bf16 like the "
-        "rollout engine's and TRL's bf16=True; fp32 master weights and AdamW); off: peft casts each LoRA input "
-        "to fp32 (a saved fp32 copy of every LoRA layer's input)")
+        "auto", description="auto: a bf16/fp16 model with fp32 trainable parameters (peft adapters) runs its training "
+        "forward under torch.autocast in its dtype (LoRA matmuls in bf16 as the rollout's and TRL's bf16=True; fp32 "
+        "master weights and AdamW); off: peft casts each LoRA input to fp32 (a saved fp32 copy per LoRA layer)")
     train_norms: bool = Field(False, description="also train RMSNorm scales (the original scripts do)")
     rollout_correction: Literal["none", "tis"] = "none"
     tis_cap: float = Field(2.0, gt=1.0)
@@ -176,8 +175,7 @@ class TrainConfig(_Section):
     logging_steps: int = Field(1, ge=1, description="MLflow gets each metric's mean over every N steps (TRL's "
                                "logging_steps); metrics.csv keeps every step")
     grading_timeout_s: float = Field(1.0, gt=0, le=60, description="wall-time limit of one completion's reward "
-                                     "(extraction + math-verify); a completion over it gets reward 0 and is "
-                                     "counted in rewards/grading_timeouts")
+                                     "(extraction + math-verify); over it: reward 0, in rewards/grading_timeouts")
     num_gpus: int = Field(1, ge=1, le=8, description="data-parallel ranks on the GPUs of one node (qerl."
                           "distributed): each rolls out and trains on batch_size / num_gpus prompts per step, "
                           "same result as one; > 1 runs under torchrun")
@@ -194,6 +192,8 @@ class TrainConfig(_Section):
             raise ValueError("reward_weights needs one weight per entry of rewards")
         if (self.batch_size * self.num_generations) % self.micro_batch_size:
             raise ValueError("micro_batch_size must divide batch_size * num_generations")
+        if self.padding_free == "shared_prompts" and self.micro_batch_size % self.num_generations:
+            raise ValueError("padding_free shared_prompts needs micro_batch_size a multiple of num_generations")
         ranks, nodes = self.num_nodes * self.num_gpus, "num_nodes x " * (self.num_nodes > 1)
         if self.batch_size % ranks:
             raise ValueError(f"{nodes}num_gpus ({ranks}) must divide batch_size ({self.batch_size}): each rank "

@@ -286,3 +286,14 @@ def test_positions_computed_in_each_layout():
     assert positions_computed(mask, keep, packed=True) == 24
     assert positions_computed(mask, keep, packed=False, group=2) == 2 * 5 + 4 * 4
     assert positions_computed(mask, keep, packed=True, group=2) == (3 + 2) + 10  # rows 0 and 2 hold the prompts
+
+
+def test_shared_prompts_need_whole_groups_per_micro_batch():
+    """train.padding_free shared_prompts with micro-batches that split groups fails in one line at parse time
+    (it would otherwise fall back to packed rows without sharing, unsaid)."""
+    from qerl.config import parse_section
+
+    base = {"data": {"source": "x.jsonl"}, "num_generations": 8, "batch_size": 8, "padding_free": "shared_prompts"}
+    with pytest.raises(QerlError, match="padding_free shared_prompts needs micro_batch_size a multiple"):
+        parse_section("train", {**base, "micro_batch_size": 4})
+    assert parse_section("train", {**base, "micro_batch_size": 16}).padding_free == "shared_prompts"
