@@ -153,8 +153,8 @@ class TrainConfig(_Section):
                                     "lm_head chunks' log-probs of the training forward and backward as "
                                     "torch.compile'd kernels (qerl.fused_elementwise); false: eager ops")
     cudnn_attention: bool = Field(False, description="cuDNN SDPA in padded training forwards (a graph per length)")
-    padding_free: bool | Literal["shared_prompts"] = Field(True, description="the update's rows packed, no padding "
-                                                           "(qerl.packing); shared_prompts: each prompt once per group")
+    padding_free: bool | Literal["auto", "shared_prompts"] = Field(
+        "auto", description="packed update rows (qerl.packing); auto, shared_prompts: each prompt once per group")
     dense_weights: bool | Literal["auto"] = Field("auto", description="the update's GEMMs over per-update dense "
                                                   "copies of the FP4 base (qerl.update_copies); auto: where they fit")
     mixed_precision: Literal["auto", "off"] = Field(

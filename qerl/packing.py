@@ -91,29 +91,6 @@ def _sdpa_rows(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Te
     return torch.cat(outs) if outs else query.new_zeros(query.shape)
 
 
-class _RecordPrompts:
-    """The packed prompts' forward keeps each layer's K/V (the first: a checkpoint's recompute brings equal ones)."""
-
-    def __init__(self):
-        self.layers: dict[int, tuple[Tensor, Tensor]] = {}
-
-    def keys(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        self.layers.setdefault(layer, (key, value))
-        return key, value
-
-
-class _PrependPrompt:
-    """The completions' forward reads, per row, its prompt's K/V and then its own (index into the two, concatenated)."""
-
-    def __init__(self, prompts: _RecordPrompts, index: Tensor):
-        self.prompts, self.index = prompts, index
-
-    def keys(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        prompt_key, prompt_value = self.prompts.layers[layer]
-        return (torch.cat([prompt_key, key]).index_select(0, self.index),
-                torch.cat([prompt_value, value]).index_select(0, self.index))
-
-
 def packed_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
                              dropout: float = 0.0, sliding_window=None, **kwargs):
     """transformers' attention interface: packed rows when the call carries their bounds (cu_seq_lens_q), else the
@@ -132,12 +109,9 @@ def packed_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
     if query.shape[0] != 1:
         raise QerlError(f"packed rows come as one sequence, got a batch of {query.shape[0]}")
     query, key, value = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head_dim)
-    prompts = kwargs.get("qerl_prompts")
-    if prompts is not None:
-        if getattr(module, "layer_idx", None) is None:
-            raise QerlError(f"{type(module).__name__} has no layer_idx to file its prompt's keys under; set "
-                            "train.padding_free: true (packed rows without shared prompts)")
-        key, value = prompts.keys(module.layer_idx, key, value)
+    keys_at = kwargs.get("qerl_key_index")  # shared prompts: each row's keys gathered (its prompt's, then its own)
+    if keys_at is not None:
+        key, value = key.index_select(0, keys_at), value.index_select(0, keys_at)
     cu_k, longest_q = kwargs.get("cu_seq_lens_k", cu), kwargs["max_length_q"]
     if query.is_cuda and query.dtype in _HALF and query.shape[-1] <= 256 and _varlen_options() is not None:
         out = _flash_rows(query, key, value, cu, cu_k, longest_q, kwargs.get("max_length_k", longest_q), scaling)
@@ -225,11 +199,12 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logi
 def grouped_packed_token_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                                   completion_attn: Tensor, group_size: int, *, temperature: float = 1.0,
                                   chunk_size: int = 512) -> tuple[Tensor, Tensor]:
-    """`qerl.prefix.grouped_token_logprobs` over packed rows: each prompt computed once (a packed forward of the
-    prompts, keeping every layer's K/V), then the completions packed, each row's attention reading its prompt's K/V
-    before its own. Unlike the KV-cache path it runs under gradient checkpointing (backward inside
-    packed_attention). prompt_*: (P, Lp) left-padded; completion_*: (P * G, Lc) right-padded, row i * G + j sample j
-    of prompt i. Returns (logprobs, entropy) of shape (P * G, Lc), 0 at pad positions."""
+    """`qerl.prefix.grouped_token_logprobs` over packed rows: each prompt computed once per group. One packed
+    forward holds the prompts and then the completions; in every layer a completion row's keys are its prompt's K/V
+    followed by its own (one gather), a prompt row's its own. Unlike the KV-cache path it runs under gradient
+    checkpointing (backward inside packed_attention). prompt_*: (P, Lp) left-padded; completion_*: (P * G, Lc)
+    right-padded, row i * G + j sample j of prompt i. Returns (logprobs, entropy) of shape (P * G, Lc), 0 at pad
+    positions."""
     rows, width = completion_ids.shape
     if rows != prompt_ids.shape[0] * group_size or completion_attn.shape != completion_ids.shape \
             or prompt_mask.shape != prompt_ids.shape or temperature <= 0:
@@ -240,43 +215,41 @@ def grouped_packed_token_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor
     p_len, c_len = p_real.sum(dim=1), c_real.sum(dim=1)
     row_p_len = p_len.repeat_interleave(group_size)
     kv_len = row_p_len + c_len
-    stats = torch.stack([p_len.sum(), c_len.sum(), p_len.max(), c_len.max(), kv_len.max(), (p_len == 0).sum()])
-    p_tokens, c_tokens, longest_p, longest_c, longest_kv, promptless = stats.tolist()  # the only host read
+    stats = torch.stack([p_len.sum(), c_len.sum(), torch.cat([p_len, c_len]).max(), kv_len.max(), (p_len == 0).sum()])
+    p_tokens, c_tokens, longest_q, longest_k, promptless = stats.tolist()  # the only host read
     if promptless:
         raise QerlError(f"{promptless} prompt(s) without a token: their first completion token has no state")
     if c_tokens == 0:  # nothing to score: the padded path keeps the graph the loss expects
         return token_logprobs(model, torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], 1),
                               torch.cat([prompt_mask.repeat_interleave(group_size, 0), completion_attn], 1), width,
                               temperature=temperature, chunk_size=chunk_size)
-    cu_p, cu_c, cu_kv = (F.pad(n.cumsum(0), (1, 0)) for n in (p_len, c_len, kv_len))
+    cu_p, cu_c = F.pad(p_len.cumsum(0), (1, 0)), F.pad(c_len.cumsum(0), (1, 0))
+    cu_q = F.pad(torch.cat([p_len, c_len]).cumsum(0), (1, 0))  # query rows: the P prompts, then the completions
+    cu_k = F.pad(torch.cat([p_len, kv_len]).cumsum(0), (1, 0))
     p_where = _true_positions(p_real.reshape(-1), p_tokens)
     c_where = _true_positions(c_real.reshape(-1), c_tokens)
-    # the completions' keys, row by row: its prompt's packed K/V (indices into the prompts' tokens), then its own
-    # (indices past them, into the completions' tokens)
-    at = torch.arange(group_size * p_tokens + c_tokens, device=cu_kv.device)
-    row = torch.searchsorted(cu_kv[1:], at, right=True)
-    offset = at - cu_kv[row]
-    in_prompt = offset < row_p_len[row]
-    keys = torch.where(in_prompt, cu_p[row // group_size] + offset, p_tokens + cu_c[row] + offset - row_p_len[row])
-    prompts = _RecordPrompts()
-    positions = (c_real.long().cumsum(1) - 1 + row_p_len[:, None]).reshape(-1)[c_where]
+    # each query row's keys as indices into the packed tokens: a prompt row its own tokens; a completion row its
+    # prompt's (among the first p_tokens), then its own (past them)
+    at = torch.arange(p_tokens + group_size * p_tokens + c_tokens, device=cu_k.device)
+    q_row = torch.searchsorted(cu_k[1:], at, right=True)
+    offset = at - cu_k[q_row]
+    row = (q_row - len(p_len)).clamp(min=0)  # the completion row (0 for prompt rows, unused there)
+    own = p_tokens + cu_c[row] + offset - row_p_len[row]
+    keys = torch.where(q_row < len(p_len), at, torch.where(offset < row_p_len[row], cu_p[row // group_size] + offset,
+                                                           own))
+    positions = torch.cat([(p_real.long().cumsum(1) - 1).reshape(-1)[p_where],
+                           (c_real.long().cumsum(1) - 1 + row_p_len[:, None]).reshape(-1)[c_where]])
+    ids = torch.cat([prompt_ids.reshape(-1)[p_where], completion_ids.reshape(-1)[c_where]])
     with _routed(model, body) as hidden:
-        hidden.append(body(input_ids=prompt_ids.reshape(-1)[p_where][None],
-                           position_ids=(p_real.long().cumsum(1) - 1).reshape(-1)[p_where][None], use_cache=False,
-                           cu_seq_lens_q=cu_p.int(), cu_seq_lens_k=cu_p.int(), max_length_q=longest_p,
-                           max_length_k=longest_p, qerl_prompts=prompts).last_hidden_state)
-        hidden.append(body(input_ids=completion_ids.reshape(-1)[c_where][None], position_ids=positions[None],
-                           use_cache=False, cu_seq_lens_q=cu_c.int(), cu_seq_lens_k=cu_kv.int(),
-                           max_length_q=longest_c, max_length_k=longest_kv,
-                           qerl_prompts=_PrependPrompt(prompts, keys)).last_hidden_state)
-    first, second = hidden
-    # the state before each completion token: its prompt's last one for the first, else the completion's previous
-    last_prompt = first[0].index_select(0, cu_p[1:] - 1).repeat_interleave(group_size, 0)
+        hidden.append(body(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                           cu_seq_lens_q=cu_q.int(), cu_seq_lens_k=cu_k.int(), max_length_q=longest_q,
+                           max_length_k=longest_k, qerl_key_index=keys).last_hidden_state)
+    # the state before each completion token: its prompt's last one for the first, else the previous token's
     packed_at = torch.arange(c_tokens, device=c_where.device)
     row_of = c_where // width
-    before = torch.where(packed_at == cu_c[row_of], row_of, rows + packed_at - 1)
-    states = torch.cat([last_prompt, second[0]]).index_select(0, before)
-    lp, ent = chunked_head_logprobs(head, states, completion_ids.reshape(-1)[c_where], temperature, chunk_size)
+    before = torch.where(packed_at == cu_c[row_of], cu_p[row_of // group_size + 1] - 1, p_tokens + packed_at - 1)
+    lp, ent = chunked_head_logprobs(head, hidden[0][0].index_select(0, before), completion_ids.reshape(-1)[c_where],
+                                    temperature, chunk_size)
     return _placed(lp, c_where, (rows, width)), _placed(ent, c_where, (rows, width))
 
 
@@ -329,6 +302,16 @@ def positions_computed(attention_mask: Tensor, completion_len: int, packed: bool
     if packed:
         return int(prompt[::group].sum() + completion.sum())
     return prompt[::group].numel() + completion.numel()
+
+
+def shares_prompts(cfg) -> bool:
+    """Whether train.padding_free asks for each prompt once per group in packed rows: shared_prompts always (the
+    config checks that micro-batches hold whole groups); auto where they do and gradient checkpointing is on (without
+    it the trainer shares prompts over a KV cache, qerl.prefix)."""
+    if cfg.padding_free == "shared_prompts":
+        return True
+    whole = cfg.micro_batch_size % cfg.num_generations == 0
+    return cfg.padding_free == "auto" and whole and bool(cfg.gradient_checkpointing)
 
 
 def packing_possible(model, wanted: bool) -> bool:

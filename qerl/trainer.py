@@ -29,7 +29,7 @@ from qerl.fsdp import data_parallel, fuse_as_rank0
 from qerl.grpo import constant_groups, group_advantages, masked_mean, policy_loss, tis_weights, token_logprobs
 from qerl.optim import build_optimizer
 from qerl.packing import (grouped_packed_token_logprobs, packed_attention, packed_token_logprobs, packing_possible,
-                          positions_computed)
+                          positions_computed, shares_prompts)
 from qerl.prefix import grouped_token_logprobs
 from qerl.rollout import SamplingParams, make_engine
 from qerl.rollout.attention import sdpa_without_cudnn
@@ -91,7 +91,7 @@ class GRPOTrainer:
         tile_mlps(model, cfg.mlp_chunks)  # 1: untiled
         self.parallel = data_parallel(model, cfg, ranks)  # after the forward swaps: they probe the weights
         packable = packing_possible(model, bool(cfg.padding_free))  # the padded rows where the model needs them
-        self.prompts_packed = packable and cfg.padding_free == "shared_prompts"  # each prompt once per group
+        self.prompts_packed = packable and shares_prompts(cfg)  # each prompt once per group, in packed rows
         self.packable = self.prompts_packed or (packable and not self.share_prefix)  # a packed forward runs
         self.device = next(p for p in model.parameters()).device
         self.total_steps = cfg.max_steps or math.ceil(cfg.num_train_epochs * len(prompts) / cfg.batch_size)

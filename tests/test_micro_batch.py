@@ -108,8 +108,10 @@ def _grads(tiny_model_dir, tmp_path, batch, monkeypatch, *, by_length, loss_type
 
     computed = sum(positions(p) for p in seen[0])
     # without checkpointing each prompt is computed once per group over a KV cache, unless packed with its group
-    packed = padding_free == "shared_prompts" or (padding_free and checkpointing)
-    assert trainer.packable == packed and trainer.prompts_packed == (padding_free == "shared_prompts")
+    # auto: in packed rows under checkpointing (groups are whole here), else over the KV cache like True
+    shared = padding_free == "shared_prompts" or (padding_free == "auto" and checkpointing)
+    packed = shared or bool(padding_free and checkpointing)
+    assert trainer.packable == packed and trainer.prompts_packed == shared
     assert metrics["update/padded_tokens_ratio"] == pytest.approx(computed / float(batch.attention_mask.sum()))
     assert (metrics["update/padded_tokens_ratio"] == 1.0) == (packed and g == 1)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, seen[0]
@@ -146,15 +148,17 @@ def test_packed_update_gives_the_padded_gradient(tiny_model_dir, tmp_path, monke
         assert scale > 0 and (packed[name] - padded[name]).norm() / scale < 1e-10, name
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("checkpointing,padding_free", [(True, "shared_prompts"), (False, "shared_prompts"),
+                                                        (True, "auto"), (False, "auto")])
 def test_shared_prompt_update_gives_the_padded_gradient(tiny_model_dir, tmp_path, monkeypatch, checkpointing,
-                                                        float64_norms):
-    """train.padding_free shared_prompts: each prompt computed once per group in packed rows, also under gradient
-    checkpointing (where the KV-cache path cannot run); a whole update has the padded rows' gradient."""
+                                                        padding_free, float64_norms):
+    """train.padding_free shared_prompts (and auto, the default, with whole groups): each prompt computed once per
+    group in packed rows, also under gradient checkpointing (where the KV-cache path cannot run; auto without it
+    takes the KV cache); a whole update has the padded rows' gradient."""
     batch = _batch([2, 9, 1, 8, 3, 7, 9, 1])
     batch.input_ids[1::2, :3] = batch.input_ids[0::2, :3]  # G = 2 samples of each prompt
     shared, parts = _grads(tiny_model_dir, tmp_path / "a", batch, monkeypatch, by_length=True, loss_type="dapo",
-                           checkpointing=checkpointing, padding_free="shared_prompts")
+                           checkpointing=checkpointing, padding_free=padding_free)
     padded, _ = _grads(tiny_model_dir, tmp_path / "b", batch, monkeypatch, by_length=True, loss_type="dapo",
                        checkpointing=True, padding_free=False)
     assert all(len(p) == 2 and p[0] // 2 == p[1] // 2 for p in parts)  # whole groups (G = 2) per micro-batch

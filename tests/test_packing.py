@@ -297,3 +297,18 @@ def test_shared_prompts_need_whole_groups_per_micro_batch():
     with pytest.raises(QerlError, match="padding_free shared_prompts needs micro_batch_size a multiple"):
         parse_section("train", {**base, "micro_batch_size": 4})
     assert parse_section("train", {**base, "micro_batch_size": 16}).padding_free == "shared_prompts"
+
+
+@pytest.mark.parametrize("padding_free,micro,checkpointing,expected", [
+    ("auto", 16, True, True), ("auto", 12, True, False), ("auto", 16, False, False), (True, 16, True, False),
+    (False, 16, True, False), ("shared_prompts", 16, False, True)])
+def test_which_configs_share_prompts_in_packed_rows(padding_free, micro, checkpointing, expected):
+    """auto (the default) shares each prompt in packed rows where micro-batches hold whole groups (G = 8 here) and
+    checkpointing keeps the KV-cache path out; shared_prompts always; true and false never."""
+    from qerl.config import parse_section
+    from qerl.packing import shares_prompts
+
+    cfg = parse_section("train", {"data": {"source": "x.jsonl"}, "num_generations": 8, "batch_size": 24,
+                                  "micro_batch_size": micro, "gradient_checkpointing": checkpointing,
+                                  "padding_free": padding_free})
+    assert shares_prompts(cfg) is expected

@@ -14,6 +14,8 @@ ties and the dtype each intermediate is computed in, because bit-exactness is wh
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -31,12 +33,22 @@ _E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2
                     (5.0, False))
 
 
+@functools.cache
 def _pair_table(device: torch.device) -> torch.Tensor:
-    """(256, 2) float32: the two E2M1 values encoded by each byte, low nibble first (one gather per byte)."""
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
-    signed = torch.cat([mags, -mags])  # codes 8..15 carry the sign bit; code 8 is -0.0 as in compressed-tensors
-    byte = torch.arange(256, device=device)
-    return torch.stack([signed[byte & 0xF], signed[byte >> 4]], dim=1)
+    """(256, 2) float32: the two E2M1 values encoded by each byte, low nibble first (one gather per byte). Built once
+    per device: its host-to-device copy waits for the GPU, once per dequantized tensor otherwise."""
+    with torch.inference_mode(False), torch.no_grad():  # an ordinary tensor, whichever mode asked first
+        mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+        signed = torch.cat([mags, -mags])  # codes 8..15 carry the sign bit; code 8 is -0.0 as in compressed-tensors
+        byte = torch.arange(256)
+        return torch.stack([signed[byte & 0xF], signed[byte >> 4]], dim=1).to(device)
+
+
+def _canonical(device: torch.device) -> torch.device:
+    """cuda and cuda:0 as one cache key."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -54,7 +66,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
     """Unpack bytes (N, K/2) straight to float32 E2M1 values (N, K) with a single table gather."""
-    pairs = F.embedding(packed.to(torch.int32), _pair_table(packed.device))
+    pairs = F.embedding(packed.to(torch.int32), _pair_table(_canonical(packed.device)))
     return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
