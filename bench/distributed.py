@@ -94,8 +94,9 @@ def _parse(argv=None) -> argparse.Namespace:
                    "rollout_correction tis)")
     p.add_argument("--timeout-s", type=float, default=280, help="per case, build and warm-up included")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--padding-free", default="true", choices=("true", "false", "shared_prompts"),
-                   help="train.padding_free: the update's rows packed (true), padded, or packed with each prompt once")
+    p.add_argument("--padding-free", default="auto", choices=("auto", "true", "false", "shared_prompts"),
+                   help="train.padding_free: auto (the default), the update's rows packed (true), padded, or packed "
+                   "with each prompt once")
     p.add_argument("--tokenizer", default="../shared/tokenizers/qwen2.5", help="the real Qwen2.5 tokenizer dir")
     p.add_argument("--out", default="results/bench/distributed.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)

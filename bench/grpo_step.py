@@ -7,7 +7,7 @@ LoRA rank, rollout engine and its memory knob, gradient checkpointing, offload);
 two runs (qlora_fp4 with the recipe's AQN, lora without; a third, fp4-packed, is FP4 with train.dense_weights false:
 every update over the packed weights instead of dense copies; fp4-padded and bf16-padded set train.padding_free
 false: the update's rows padded instead of packed; fp4-shared and bf16-shared set it to shared_prompts: each prompt
-computed once per group). --prompts / --completion-cap shrink it and
+computed once per group; fp4-unshared and bf16-unshared to true: packed rows, each with its own prompt). --prompts / --completion-cap shrink it and
 --num-iterations sets the policy updates per batch (all said in the JSON). Weights are random Qwen2.5 tensors of
 the experiment's size (bench.random_models: speed and memory do not depend on the values); the reward is random
 within each group. Random weights never emit EOS, so each row ends at a length drawn from a fixed log-normal
@@ -44,8 +44,9 @@ from qerl.compile_cache import configure
 
 
 VARIANTS = {"packed": {"dense_weights": False}, "padded": {"padding_free": False},  # a mode's train keys after "-"
-            "shared": {"padding_free": "shared_prompts"}}
-MODES = ("fp4", "bf16", "fp4-packed", "fp4-padded", "bf16-padded", "fp4-shared", "bf16-shared")
+            "shared": {"padding_free": "shared_prompts"}, "unshared": {"padding_free": True}}
+MODES = ("fp4", "bf16", "fp4-packed", "fp4-padded", "bf16-padded", "fp4-shared", "bf16-shared", "fp4-unshared",
+         "bf16-unshared")
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -55,7 +56,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="fp4,bf16", help="comma list of fp4, bf16, fp4-packed (FP4 with "
                    "train.dense_weights false: every update over the packed weights), fp4-padded, bf16-padded "
                    "(train.padding_free false: the update's rows padded), fp4-shared, bf16-shared (shared_prompts: "
-                   "each prompt once per group)")
+                   "each prompt once per group), fp4-unshared, bf16-unshared (true: packed rows, prompts per row)")
     p.add_argument("--size", default=None, help="random model size (default: the experiment's model_size)")
     p.add_argument("--prompts", type=int, default=0, help="prompts per step (0: the recipe's batch_size)")
     p.add_argument("--completion-cap", type=int, default=0, help="0: the recipe's max_completion_length")

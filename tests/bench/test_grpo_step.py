@@ -119,18 +119,20 @@ def test_fp4_packed_mode_runs_every_update_over_the_packed_weights(tmp_path):
 
 
 def test_padded_mode_pads_the_updates_rows(tmp_path):
-    """--modes bf16,bf16-padded,bf16-shared: the update's rows packed (train.padding_free, the default: only real
-    tokens computed), padded (each micro-batch to its longest row), and packed with each prompt once per group."""
+    """--modes bf16-unshared,bf16-padded,bf16-shared,bf16: the update's rows packed (train.padding_free true: only
+    real tokens computed), padded (each micro-batch to its longest row), packed with each prompt once per group, and
+    the default (auto: shared here, where checkpointing is on and micro-batches hold whole groups)."""
     out = tmp_path / "padded.json"
-    modes = "bf16,bf16-padded,bf16-shared"
+    modes = "bf16-unshared,bf16-padded,bf16-shared,bf16"
     assert grpo_step.main(["--size", "tiny", "--device", "cpu", "--modes", modes, "--prompts", "2",
                            "--completion-cap", "12", "--median", "5", "--prompt-len", "8", "--warmup-tokens", "2",
                            "--out", str(out)]) == 0
-    packed, padded, shared = json.loads(out.read_text())["results"]
-    assert (packed["mode"], padded["mode"]) == ("bf16+lora", "bf16-padded+lora")
+    packed, padded, shared, default = json.loads(out.read_text())["results"]
+    assert (packed["mode"], padded["mode"], default["mode"]) == ("bf16-unshared+lora", "bf16-padded+lora", "bf16+lora")
     assert packed["update_rows_packed"] and not padded["update_rows_packed"]
-    assert shared["update_prompts_packed"] and not packed["update_prompts_packed"]
+    assert shared["update_prompts_packed"] and default["update_prompts_packed"] and not packed["update_prompts_packed"]
     assert packed["update_padded_tokens_ratio"] == 1.0 < padded["update_padded_tokens_ratio"]
+    assert shared["update_padded_tokens_ratio"] == default["update_padded_tokens_ratio"] < 1.0
 
 
 def _waits_for_the_gpu():
