@@ -19,6 +19,7 @@ from qerl.fused_elementwise import target_logprobs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
+PACKED_ATTENTION = "qerl_packed"  # qerl.packing's attention implementation (defined here: packing imports this module)
 
 
 # --------------------------------------------------------------------------------------------- advantages
@@ -79,7 +80,7 @@ def _padding_safe_mask(model, attention_mask: Tensor) -> Tensor:
     plain model(...) too). Real tokens see exactly the keys they saw before, so log-probs do not change.
     """
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl not in ("sdpa", "eager", "qerl_packed") or bool(attention_mask[:, 0].all()):
+    if impl not in ("sdpa", "eager", PACKED_ATTENTION) or bool(attention_mask[:, 0].all()):
         return attention_mask
     length = attention_mask.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()

@@ -26,10 +26,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from qerl.errors import QerlError
-from qerl.grpo import chunked_head_logprobs, split_causal_lm, token_logprobs
+from qerl.grpo import PACKED_ATTENTION, chunked_head_logprobs, split_causal_lm, token_logprobs
 
 log = logging.getLogger("qerl.train")
-NAME = "qerl_packed"
+NAME = PACKED_ATTENTION
 _ORIGINAL: ContextVar[str | None] = ContextVar("qerl_packed_original", default=None)
 _CALLS: ContextVar[list | None] = ContextVar("qerl_packed_calls", default=None)
 _HALF = (torch.bfloat16, torch.float16)

@@ -125,3 +125,24 @@ def test_rounding_ties_match_compressed_tensors():
     grid = grid[: grid.numel() // 2 * 2].reshape(1, -1)
     ref = pack_fp4_to_uint8(cast_to_fp4(grid.clamp(-6, 6).clone()))
     assert torch.equal(pack_fp4(round_to_e2m1_codes(grid.clamp(-6, 6))), ref)
+
+
+def test_the_e2m1_table_is_built_once_per_device_and_outlives_inference_mode():
+    """The byte -> (low, high) table is cached per device (building it copies to the device, which waits for the
+    GPU): a second call reuses it, even when the first came under inference_mode, and the cached table is an
+    ordinary tensor that a later autograd forward can use."""
+    from qerl.quant import format as fmt
+
+    fmt._pair_table.cache_clear()
+    packed = torch.tensor([[0x71, 0x8F, 0x00, 0xFF]], dtype=torch.uint8)
+    with torch.inference_mode():
+        first = e2m1_values(packed)
+    table = fmt._pair_table(torch.device("cpu"))
+    assert not table.is_inference() and fmt._pair_table.cache_info().currsize == 1
+    scale = torch.ones(1, requires_grad=True)
+    second = e2m1_values(packed) * scale  # in an autograd graph
+    second.sum().backward()
+    assert fmt._pair_table.cache_info().currsize == 1 and fmt._pair_table.cache_info().hits >= 2
+    expected = [0.5, 6.0, -6.0, -0.0, 0.0, 0.0, -6.0, -6.0]
+    assert torch.equal(first, second.detach()) and first.flatten().tolist() == expected
+    assert scale.grad.item() == sum(expected)
