@@ -487,7 +487,7 @@ def test_training_forward_and_backward_leave_cudnn_attention_out_unless_asked(ti
     try:
         for flag, packed in ((False, False), (True, False), (False, True)):
             trainer.cfg = trainer.cfg.model_copy(update={"cudnn_attention": flag, "gradient_checkpointing": True})
-            trainer.packable = packed
+            trainer.packable, trainer.prompts_packed = packed, False  # rows padded or packed, a prompt per row
             seen.clear()
             model.train()  # as the update: transformers checkpoints layers only in training mode
             lp, _ = trainer.logprobs(batch, slice(0, 2))
