@@ -234,9 +234,9 @@ def grouped_packed_token_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor
     q_row = torch.searchsorted(cu_k[1:], at, right=True)
     offset = at - cu_k[q_row]
     row = (q_row - len(p_len)).clamp(min=0)  # the completion row (0 for prompt rows, unused there)
+    from_prompt = cu_p[row // group_size] + offset
     own = p_tokens + cu_c[row] + offset - row_p_len[row]
-    keys = torch.where(q_row < len(p_len), at, torch.where(offset < row_p_len[row], cu_p[row // group_size] + offset,
-                                                           own))
+    keys = torch.where(q_row < len(p_len), at, torch.where(offset < row_p_len[row], from_prompt, own))
     positions = torch.cat([(p_real.long().cumsum(1) - 1).reshape(-1)[p_where],
                            (c_real.long().cumsum(1) - 1 + row_p_len[:, None]).reshape(-1)[c_where]])
     ids = torch.cat([prompt_ids.reshape(-1)[p_where], completion_ids.reshape(-1)[c_where]])
