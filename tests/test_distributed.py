@@ -111,7 +111,9 @@ def _assert_same_adapter(a_dir: Path, b_dir: Path) -> None:
 @pytest.mark.parametrize("overrides", [
     {},  # dapo: the loss divided by the step's completion tokens, every rank's
     {"loss_type": "grpo", "scale_rewards": "batch"},  # per-micro-batch means over every rank's micro-batches;
-])                                                    # advantages scaled by the std of the whole step's rewards
+    # advantages scaled by the std of the whole step's rewards
+    {"gradient_checkpointing": True},  # the GPU recipes' setting: auto shares each prompt in packed rows
+])
 def test_two_ranks_train_the_one_rank_adapter_and_only_rank_0_writes(nvfp4_dir, task, one_rank, tmp_path, overrides):
     cfg = _train_config(task, 2, **overrides)
     proc = subprocess.run(_cmd(2, nvfp4_dir, tmp_path / "out", tmp_path / "ck", tmp_path / "res", cfg),

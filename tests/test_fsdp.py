@@ -101,7 +101,8 @@ TOY_REWARD = "def text_length(completions, **kw):\n    return [len(c) / 10.0 for
 
 def _full_config(task, num_gpus: int) -> dict:
     """4 prompts x 2 samples a step of the tiny dense model, every weight trained: each of 2 ranks holds 2 groups
-    in 2 micro-batches; AQN on (noise goes into the gathered copy)."""
+    in 2 micro-batches; AQN on (noise goes into the gathered copy); gradient checkpointing on, as the GPU recipes
+    run it (train.padding_free auto: each group's prompt once, in packed rows)."""
     return {
         "mode": "full",
         "data": {"source": str(task / "train.jsonl"), "answer_kind": "numeric", "template": "answer_line",
@@ -110,7 +111,7 @@ def _full_config(task, num_gpus: int) -> dict:
         "num_generations": 2, "batch_size": 4, "micro_batch_size": 2, "max_steps": 2, "learning_rate": 1e-3,
         "max_prompt_length": 128, "max_completion_length": 5, "dtype": "float32", "save_steps": 1,
         "aqn": {"sigma_start": 1e-2, "sigma_end": 1e-3, "num_stages": 2}, "rollout_correction": "tis",
-        "num_gpus": num_gpus,
+        "gradient_checkpointing": True, "num_gpus": num_gpus,
     }
 
 
