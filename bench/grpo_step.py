@@ -7,12 +7,13 @@ LoRA rank, rollout engine and its memory knob, gradient checkpointing, offload);
 two runs (qlora_fp4 with the recipe's AQN, lora without; a third, fp4-packed, is FP4 with train.dense_weights false:
 every update over the packed weights instead of dense copies; fp4-padded and bf16-padded set train.padding_free
 false: the update's rows padded instead of packed; fp4-shared and bf16-shared set it to shared_prompts: each prompt
-computed once per group; fp4-unshared and bf16-unshared to true: packed rows, each with its own prompt). --prompts / --completion-cap shrink it and
---num-iterations sets the policy updates per batch (all said in the JSON). Weights are random Qwen2.5 tensors of
-the experiment's size (bench.random_models: speed and memory do not depend on the values); the reward is random
-within each group. Random weights never emit EOS, so each row ends at a length drawn from a fixed log-normal
-(median --median, sigma --sigma, capped at the recipe's completion cap; the same draws for both modes): the paged
-engine finishes it there as if it had sampled EOS (bench.paged's ForcedLengthEngine).
+computed once per group; fp4-unshared and bf16-unshared to true: packed rows, each with its own prompt).
+--prompts / --completion-cap shrink it and --num-iterations sets the policy updates per batch (all said in the
+JSON). Weights are random Qwen2.5 tensors of the experiment's size (bench.random_models: speed and memory do not
+depend on the values); the reward is random within each group. Random weights never emit EOS, so each row ends at a
+length drawn from a fixed log-normal (median --median, sigma --sigma, capped at the recipe's completion cap; the same
+draws for both modes): the paged engine finishes it there as if it had sampled EOS (bench.paged's
+ForcedLengthEngine).
 
 Per mode: build, then untimed warm-up (a rollout whose rows end after at most --warmup-tokens, staggered so that
 it meets every decode bucket: bench.paged.warmup_lengths; and one update of one random micro-batch, which creates

@@ -188,11 +188,9 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, logi
     states = index[:, -keep:].reshape(-1)[scored_at] - 1  # a completion token is scored by the state before it
     targets = input_ids[:, -keep:].reshape(-1)[scored_at]
     positions = (real.long().cumsum(1) - 1).reshape(-1)[where]
-    with _routed(model, body) as hidden:
-        hidden.append(body(input_ids=input_ids.reshape(-1)[where][None], position_ids=positions[None],
-                           use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
-                           max_length_k=longest).last_hidden_state)
-    lp, ent = chunked_head_logprobs(head, hidden[0][0].index_select(0, states), targets, temperature, chunk_size)
+    hidden = _packed_forward(model, body, input_ids=input_ids.reshape(-1)[where][None], position_ids=positions[None],
+                             cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    lp, ent = chunked_head_logprobs(head, hidden.index_select(0, states), targets, temperature, chunk_size)
     return _placed(lp, scored_at, completion.shape), _placed(ent, scored_at, completion.shape)
 
 
@@ -215,7 +213,8 @@ def grouped_packed_token_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor
     p_len, c_len = p_real.sum(dim=1), c_real.sum(dim=1)
     row_p_len = p_len.repeat_interleave(group_size)
     kv_len = row_p_len + c_len
-    stats = torch.stack([p_len.sum(), c_len.sum(), torch.cat([p_len, c_len]).max(), kv_len.max(), (p_len == 0).sum()])
+    q_len = torch.cat([p_len, c_len])  # query rows: the P prompts, then the completions
+    stats = torch.stack([p_len.sum(), c_len.sum(), q_len.max(), kv_len.max(), (p_len == 0).sum()])
     p_tokens, c_tokens, longest_q, longest_k, promptless = stats.tolist()  # the only host read
     if promptless:
         raise QerlError(f"{promptless} prompt(s) without a token: their first completion token has no state")
@@ -224,8 +223,7 @@ def grouped_packed_token_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor
                               torch.cat([prompt_mask.repeat_interleave(group_size, 0), completion_attn], 1), width,
                               temperature=temperature, chunk_size=chunk_size)
     cu_p, cu_c = F.pad(p_len.cumsum(0), (1, 0)), F.pad(c_len.cumsum(0), (1, 0))
-    cu_q = F.pad(torch.cat([p_len, c_len]).cumsum(0), (1, 0))  # query rows: the P prompts, then the completions
-    cu_k = F.pad(torch.cat([p_len, kv_len]).cumsum(0), (1, 0))
+    cu_q, cu_k = F.pad(q_len.cumsum(0), (1, 0)), F.pad(torch.cat([p_len, kv_len]).cumsum(0), (1, 0))
     p_where = _true_positions(p_real.reshape(-1), p_tokens)
     c_where = _true_positions(c_real.reshape(-1), c_tokens)
     # each query row's keys as indices into the packed tokens: a prompt row its own tokens; a completion row its
@@ -240,38 +238,35 @@ def grouped_packed_token_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor
     positions = torch.cat([(p_real.long().cumsum(1) - 1).reshape(-1)[p_where],
                            (c_real.long().cumsum(1) - 1 + row_p_len[:, None]).reshape(-1)[c_where]])
     ids = torch.cat([prompt_ids.reshape(-1)[p_where], completion_ids.reshape(-1)[c_where]])
-    with _routed(model, body) as hidden:
-        hidden.append(body(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                           cu_seq_lens_q=cu_q.int(), cu_seq_lens_k=cu_k.int(), max_length_q=longest_q,
-                           max_length_k=longest_k, qerl_key_index=keys).last_hidden_state)
+    hidden = _packed_forward(model, body, input_ids=ids[None], position_ids=positions[None], cu_seq_lens_q=cu_q.int(),
+                             cu_seq_lens_k=cu_k.int(), max_length_q=longest_q, max_length_k=longest_k,
+                             qerl_key_index=keys)
     # the state before each completion token: its prompt's last one for the first, else the previous token's
     packed_at = torch.arange(c_tokens, device=c_where.device)
     row_of = c_where // width
     before = torch.where(packed_at == cu_c[row_of], cu_p[row_of // group_size + 1] - 1, p_tokens + packed_at - 1)
-    lp, ent = chunked_head_logprobs(head, hidden[0][0].index_select(0, before), completion_ids.reshape(-1)[c_where],
+    lp, ent = chunked_head_logprobs(head, hidden.index_select(0, before), completion_ids.reshape(-1)[c_where],
                                     temperature, chunk_size)
     return _placed(lp, c_where, (rows, width)), _placed(ent, c_where, (rows, width))
 
 
-@contextlib.contextmanager
-def _routed(model, body):
-    """Packed forwards of `body` inside packed_attention; yields the list their outputs go in. After the block: the
-    rows reached the attention interface (else they would have attended across rows), and under gradient
-    checkpointing each output checks, when backward reaches it, that backward runs inside packed_attention."""
-    calls, hidden = [], []
+def _packed_forward(model, body, **inputs) -> Tensor:
+    """body's last hidden state (tokens, hidden) over packed rows, run inside packed_attention. After it: the rows
+    reached the attention interface (else they would have attended across rows), and under gradient checkpointing
+    the output checks, when backward reaches it, that backward runs inside packed_attention."""
+    calls = []
     token = _CALLS.set(calls)
     try:
         with packed_attention(model):
-            yield hidden
+            hidden = body(use_cache=False, **inputs).last_hidden_state
     finally:
         _CALLS.reset(token)
     if not calls:
         raise QerlError(f"{type(body).__name__} did not route attention through transformers' attention interface "
                         "with the packed rows' bounds; set train.padding_free: false")
-    if _checkpointed(model):
-        for h in hidden:
-            if h.requires_grad:
-                h.register_hook(functools.partial(_check_backward_scope, model.config))
+    if _checkpointed(model) and hidden.requires_grad:
+        hidden.register_hook(functools.partial(_check_backward_scope, model.config))
+    return hidden[0]
 
 
 def _placed(values: Tensor, at: Tensor, shape: tuple[int, int]) -> Tensor:
