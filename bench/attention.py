@@ -6,7 +6,9 @@ layer of Qwen2.5 7B shapes (28 query / 4 KV heads of 128), over a static cache o
 
 --paged: the paged decode kernel (`qerl.rollout.triton_paged`) with the split the engine's captured steps use, its
 block table as wide as the qwen7b recipe's rows (4,368 keys), rows of 900-3,300 filled keys, at 1-64 rows: the
-decode kernel and the combine of its splits, one call per layer.
+decode kernel and the combine of its splits, one call per layer. --splits 1,2,4 also times those split counts
+(one split: no combine) and --short-rows adds rows of 260-400 keys, a rollout's first steps after a 256-token prompt:
+the engine's split rule looks at the block table's width, not the lengths, so a short row splits as a long one.
 
 Floor = the filled part of K and V (both paths must read it) over the measured copy bandwidth. Both paths run
 eagerly here; inside TorchEngine the matmul path is torch.compile'd (fused), which is why the engine only takes
@@ -62,31 +64,44 @@ def run() -> dict:
     return result
 
 
-PAGED_ROWS = (1, 2, 4, 8, 16, 32, 64)
+PAGED_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 PAGED_WIDTH = 273  # blocks of 16: 4,368 keys, a 256-token prompt + 4,096 completion tokens + a spare block
 
 
-def run_paged() -> dict:
+def run_paged(splits=(), short=False) -> dict:
     from bench.random_models import paged_attention_case
     from qerl.rollout import triton_paged
 
     result = {**_environment(), "ceilings": measure_ceilings(), "rows": []}
-    for rows in PAGED_ROWS:
-        lengths = [900 + 37 * i for i in range(rows)]
-        copies = 4
-        cases = []
-        for c in range(copies):
-            q, k, v, table, lens = paged_attention_case(rows, 28, 4, 128, 16, lengths, torch.bfloat16, "cuda",
-                                                           seed=c)
-            pad = torch.zeros(rows, PAGED_WIDTH - table.shape[1], dtype=table.dtype, device="cuda")
-            cases.append((q, k, v, torch.cat([table, pad], 1), lens))
-        split = triton_paged.default_split(rows, 4, PAGED_WIDTH * 16, torch.device("cuda"))
-        us = graph_time_us(lambda i: triton_paged.paged_decode(*cases[i], 128 ** -0.5), copies)
-        floor = 2 * sum(lengths) * 4 * 128 * 2 / (result["ceilings"]["copy_GBps"] * 1e3)
-        result["rows"].append({"rows": rows, "split": split, "us": us, "floor_us": floor})
-        print(f"paged, rows {rows}, split {split}: {us:.1f} us, floor {floor:.1f} us", flush=True)
-    lines = ["| rows | splits | us per layer | floor us (filled K+V) |", "|---|---|---|---|"]
-    lines += [f"| {r['rows']} | {r['split']} | {r['us']:.1f} | {r['floor_us']:.1f} |" for r in result["rows"]]
+    kinds = [("long", lambda i: 900 + (37 * i) % 3300)] + ([("short", lambda i: 260 + (37 * i) % 141)] if short else [])
+    for kind, length in kinds:
+        for rows in PAGED_ROWS:
+            lengths = [length(i) for i in range(rows)]
+            copies = 4
+            cases = []
+            for c in range(copies):
+                q, k, v, table, lens = paged_attention_case(rows, 28, 4, 128, 16, lengths, torch.bfloat16, "cuda",
+                                                               seed=c)
+                pad = torch.zeros(rows, PAGED_WIDTH - table.shape[1], dtype=table.dtype, device="cuda")
+                cases.append((q, k, v, torch.cat([table, pad], 1), lens))
+            split = triton_paged.default_split(rows, 4, PAGED_WIDTH * 16, torch.device("cuda"))
+            us = graph_time_us(lambda i: triton_paged.paged_decode(*cases[i], 128 ** -0.5), copies)
+            others = {}
+            for n in splits:
+                if n != split:
+                    others[n] = graph_time_us(lambda i, n=n: triton_paged.paged_decode(*cases[i], 128 ** -0.5,
+                                                                                       split=n), copies)
+            floor = 2 * sum(lengths) * 4 * 128 * 2 / (result["ceilings"]["copy_GBps"] * 1e3)
+            result["rows"].append({"keys": kind, "rows": rows, "split": split, "us": us, "floor_us": floor,
+                                   "mean_keys": sum(lengths) / rows, "other_splits_us": others})
+            tried = "".join(f", split {n} {t:.1f} us" for n, t in others.items())
+            print(f"paged, {kind} rows ({sum(lengths) / rows:.0f} keys), rows {rows}, split {split}: {us:.1f} us"
+                  f"{tried}, floor {floor:.1f} us", flush=True)
+    lines = ["| keys | rows | splits | us per layer | other split counts, us | floor us (filled K+V) |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['keys']} ({r['mean_keys']:.0f}) | {r['rows']} | {r['split']} | {r['us']:.1f} | "
+              + (", ".join(f"{n}: {t:.1f}" for n, t in r["other_splits_us"].items()) or "-")
+              + f" | {r['floor_us']:.1f} |" for r in result["rows"]]
     result["markdown"] = "\n".join(lines)
     print(result["markdown"])
     return result
@@ -96,10 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("results/bench/attention.json"))
     p.add_argument("--paged", action="store_true", help="the paged engine's kernel at 1-64 rows instead")
+    p.add_argument("--splits", default="", help="--paged: also these split counts, e.g. 1,2,4")
+    p.add_argument("--short-rows", action="store_true", help="--paged: also rows of 260-400 keys")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention needs a CUDA GPU")
-    result = run_paged() if a.paged else run()
+    splits = tuple(int(n) for n in a.splits.split(",") if n.strip())
+    result = run_paged(splits, a.short_rows) if a.paged else run()
     write_json(a.out, result)
     print(f"wrote {a.out}")
 

@@ -7,7 +7,9 @@ kernels inside the graph by kind, and the floor (weights + live KV over the meas
 
 For each mode (the trainer's random model: FP4 or bf16 + LoRA r of the recipe) and each row count R, R prompts of
 --prompt-len tokens decode --tokens tokens each (no row ends early: every decode step has R rows) through the
-recipe's paged engine and sampling, three times: two calls compile and capture the buckets, the third is timed
+recipe's paged engine and sampling, with max_tokens the recipe's max_completion_length (--max-tokens), so the block
+table is as wide as in a rollout (the split of the attention depends on it; rows end after --tokens as if at EOS),
+three times: two calls compile and capture the buckets, the third is timed
 (the engine's own per-step clock, host included). Then the bucket's captured graph is replayed alone (CUDA events:
 the GPU's time per step) and once under torch.profiler (kernels per step, grouped by kind). host = wall - GPU: the
 part of a step the GPU waits for the host (staging, scheduler, the device-to-host read of the sampled tokens).
@@ -57,6 +59,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default="1,16,32,64,128,256")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--tokens", type=int, default=40, help="tokens each row decodes per call")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="sampling max_tokens, which sizes the block table (default: the recipe's max_completion_length)")
     p.add_argument("--compile", default="off", choices=("off", "auto"))
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
@@ -149,10 +153,9 @@ def run_mode(args, mode: str, train_cfg, size: str, bandwidth: float) -> list[di
 
     from bench.e2e_workers import random_prompts
     from bench.grpo_step import _kv_bytes_per_position
-    from bench.paged import build_lora_model
+    from bench.paged import ForcedLengthEngine, build_lora_model
     from bench.random_models import decode_weight_bytes
     from qerl.rollout import SamplingParams
-    from qerl.rollout.paged_engine import PagedEngine
     from qerl.trainer import engine_options
 
     shared = Path(os.environ.get("QERL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
@@ -160,14 +163,16 @@ def run_mode(args, mode: str, train_cfg, size: str, bandwidth: float) -> list[di
     model = build_lora_model(size, mode, train_cfg.lora.lora_r, args.seed, "cuda")
     options = dict(engine_options(train_cfg.model_copy(update={"rollout": train_cfg.rollout.model_copy(
         update={"engine": "paged", "compile": "auto" if args.compile == "auto" else False})})))
-    engine = PagedEngine(model, tok, eos_token_ids=(), **options)
+    engine = ForcedLengthEngine(model, tok, eos_token_ids=(), **options)
     r = train_cfg.rollout
     weights, per_pos = decode_weight_bytes(model), _kv_bytes_per_position(model)
     rows_out = []
     for rows in [int(x) for x in args.rows.split(",")]:
         prompts = random_prompts(tok, rows, args.prompt_len, args.seed + rows)
+        engine.lengths = [args.tokens] * rows
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_tokens=args.tokens, seed=args.seed)
+                                  max_tokens=max(args.tokens, args.max_tokens or train_cfg.max_completion_length),
+                                  seed=args.seed)
         start = time.perf_counter()
         engine.generate(prompts, n=1, sampling=sampling)  # compiles this bucket's step and runs it eagerly
         engine.generate(prompts, n=1, sampling=sampling)  # captures it (and the buckets a call meets once)

@@ -3,6 +3,10 @@ sampled legal configurations (humming's own sampler), and cuBLAS bf16 on the sam
 of launches over rotating weight copies (no host overhead, weights not served from L2), beside the FP4 bytes' floor.
 
     python -m bench.humming_tune --size 7B --rows 16,32,64,128 --samples 24 --out results/bench/humming_tune.json
+
+--variants also times one-field edits of the heuristic's own pick at each M (Stream-K flipped, half-width N tiles,
+two CTAs per SM, one pipeline stage more or less): where the pick's grid is short (7B o / down at 64 rows: 28 CTAs
+on 132 SMs) such an edit is the candidate a per-shape override would ship.
 """
 from __future__ import annotations
 
@@ -64,7 +68,72 @@ def copy_bandwidth() -> float:
     return 2 * 10 * a.numel() / (time.perf_counter() - t)
 
 
-def tune_shape(name, n, k, rows, samples, bandwidth) -> dict:
+def heuristic_config(weight, m: int) -> dict:
+    """The config humming's heuristics pick for M rows of this weight (the interval holding M)."""
+    from qerl.quant.kernels import humming_fp4
+
+    intervals = humming_fp4._humming()["heuristics"](weight.config, device=torch.device("cuda"))
+    return dict(next((c for lo, hi, c in intervals if lo < m <= hi), intervals[-1][2]))
+
+
+def variants(cfg: dict) -> dict[str, dict]:
+    """One-field edits of a humming config; illegal ones fail at compile time and are reported, not timed."""
+    out = {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    flip = cfg | {"use_stream_k": not cfg.get("use_stream_k", True)}  # humming's TuningConfig default: on
+    if flip["use_stream_k"]:
+        flip["num_sms"] = cfg.get("num_sms") or sms
+    out["stream_k" if flip["use_stream_k"] else "no_stream_k"] = flip
+    bm, bn, bk = cfg["block_shape"]
+    wm, wn, wk = cfg["warp_shape"]
+    if bn >= 128:
+        out["block_n/2"] = cfg | {"block_shape": (bm, bn // 2, bk), "warp_shape": (wm, min(wn, bn // 2), wk)}
+        out["block_n/2+stream_k"] = out["block_n/2"] | {"use_stream_k": True, "num_sms": cfg.get("num_sms") or sms}
+    if not cfg.get("use_pdl", False):
+        out["pdl"] = cfg | {"use_pdl": True}
+    if cfg.get("num_ctas_per_sm", 1) == 1:
+        out["2 ctas/sm"] = cfg | {"num_ctas_per_sm": 2}
+    if cfg.get("num_stages", 4) < 8:
+        out["stages+1"] = cfg | {"num_stages": cfg.get("num_stages", 4) + 1}
+    return out
+
+
+def time_variants(name, weights, layer, x, y, copies, m) -> dict:
+    """Each edit of the heuristic's pick at M, compiled alone (an illegal edit costs only itself), timed."""
+    from humming.kernel.humming import HummingKernel
+    from humming.ops.launcher import launch_kernel
+
+    base = heuristic_config(weights[0], m)
+    out = {"heuristic_config": base, "variants": {}}
+    edits = variants(base)
+    try:  # one call compiles them in parallel; one illegal edit fails it, then each is compiled alone
+        rows = list(HummingKernel.prepare_kernels(layer.to_str(), None, [(0, 1 << 30, c) for c in edits.values()],
+                                                  device=torch.device("cuda")).reshape(-1, 4))
+    except Exception:  # noqa: BLE001
+        rows = [None] * len(edits)
+    for (label, cfg), row in zip(edits.items(), rows):
+        try:
+            if row is None:
+                row = HummingKernel.prepare_kernels(layer.to_str(), None, [(0, 1 << 30, cfg)],
+                                                    device=torch.device("cuda")).reshape(-1, 4)[0]
+
+            def launch(i, row=row):
+                t = weights[i].tensors
+                launch_kernel(configs=row, inputs=x, weight=t["weight"], weight_scale=t.get("weight_scale"),
+                              weight_scale_2=t.get("weight_scale_2"), outputs=y, locks=weights[i].locks)
+            us = graph_us(launch, copies)
+            ref = torch.empty_like(y)
+            weights[0].run(x, ref)
+            launch(0)
+            err_rel = ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
+        except Exception as err:  # noqa: BLE001 - an edit humming rejects or that does not run at this M
+            print(f"  {name} M={m} {label}: {type(err).__name__}: {str(err)[:100]}", flush=True)
+            continue
+        out["variants"][label] = {"us": us, "config": cfg, "max_rel_diff_vs_pick": err_rel}
+    return out
+
+
+def tune_shape(name, n, k, rows, samples, bandwidth, edits=False) -> dict:
     from humming.config import ComputeConfig, GemmType
     from humming.kernel.humming import HummingKernel
     from humming.ops.launcher import launch_kernel
@@ -83,11 +152,12 @@ def tune_shape(name, n, k, rows, samples, bandwidth) -> dict:
         gs = torch.tensor([448.0 * 6], device="cuda")
         weights.append(humming_fp4.HummingWeight(wp, ws, gs, (n,), torch.bfloat16, HUMMING_TABLE_ROWS))
     layer = weights[0].config
-    cands = sample_test_tuning_configs(layer, ComputeConfig(gemm_type=GemmType.DENSE), sample_size=samples)
+    cands = (sample_test_tuning_configs(layer, ComputeConfig(gemm_type=GemmType.DENSE), sample_size=samples)
+             if samples else [])
     t = time.perf_counter()
-    table = HummingKernel.prepare_kernels(layer.to_str(), None,
-                                          [(0, 1 << 30, c | {"use_batch_invariant": False}) for c in cands],
-                                          device=torch.device("cuda")).reshape(-1, 4)
+    table = (HummingKernel.prepare_kernels(layer.to_str(), None,
+                                           [(0, 1 << 30, c | {"use_batch_invariant": False}) for c in cands],
+                                           device=torch.device("cuda")).reshape(-1, 4) if cands else [])
     compile_s = time.perf_counter() - t
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
              for _ in range(max(1, min(4, int(_L2_SPAN // (2 * n * k)))))]
@@ -109,13 +179,21 @@ def tune_shape(name, n, k, rows, samples, bandwidth) -> dict:
             except Exception as err:  # noqa: BLE001 - a sampled config that does not run at this M
                 timed.append((float("inf"), j))
                 print(f"  {name} M={m} candidate {j}: {type(err).__name__}: {str(err)[:120]}", flush=True)
-        best_us, best_j = min(timed)
+        best_us, best_j = min(timed, default=(float("inf"), None))
         floor_us = fp4_bytes / bandwidth * 1e6
-        out["rows"][m] = {"heuristic_us": heuristic, "best_sampled_us": best_us, "best_config": cands[best_j],
+        out["rows"][m] = {"heuristic_us": heuristic, "best_sampled_us": best_us,
+                          "best_config": cands[best_j] if best_j is not None else None,
                           "bf16_us": bf16, "floor_us": floor_us}
         print(f"{name:8s} M={m:4d}  heuristic {heuristic:7.1f} us  best sampled {best_us:7.1f} us  bf16 "
               f"{bf16:7.1f} us  fp4 floor {floor_us:6.1f} us  heuristic/floor x{heuristic / floor_us:.2f}  "
-              f"bf16/heuristic x{bf16 / heuristic:.2f}  bf16/best x{bf16 / best_us:.2f}", flush=True)
+              f"bf16/heuristic x{bf16 / heuristic:.2f}", flush=True)
+        if edits:
+            found = time_variants(name, weights, layer, x, y, copies, m)
+            out["rows"][m].update(found)
+            print(f"  heuristic pick: {found['heuristic_config']}", flush=True)
+            for label, v in sorted(found["variants"].items(), key=lambda kv: kv[1]["us"]):
+                print(f"  {label:20s} {v['us']:7.1f} us  x{heuristic / v['us']:.2f} the pick's speed  "
+                      f"max |diff| / max |y| {v['max_rel_diff_vs_pick']:.1e}", flush=True)
     return out
 
 
@@ -126,6 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=ints, default=[16, 32, 64, 128])
     p.add_argument("--samples", type=int, default=24)
     p.add_argument("--layers", default="qkv,o,gate_up,down")
+    p.add_argument("--variants", action="store_true", help="also time one-field edits of the heuristic's pick")
     p.add_argument("--out", default="results/bench/humming_tune.json")
     args = p.parse_args(argv)
     bandwidth = copy_bandwidth()
@@ -134,7 +213,8 @@ def main(argv=None) -> int:
                "layers": {}}
     for name in args.layers.split(","):
         n, k = shapes(args.size)[name]
-        payload["layers"][name] = tune_shape(name, n, k, args.rows, args.samples, bandwidth)
+        payload["layers"][name] = tune_shape(name, n, k, args.rows, args.samples, bandwidth,
+                                              args.variants)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".tmp").write_text(json.dumps(payload, indent=2, default=str) + "\n")

@@ -21,6 +21,10 @@ from qerl.quant.kernels.triton_fp4 import grid_dependency
 from qerl.rollout.triton_split import combine, head_tile, launch_options, partials, program_end, program_start
 
 BLOCK_L = 64  # key positions per tile
+# splits at most max(SPLIT_CAP, width / SPLIT_KEYS): the combine's cost grows with the splits, and at 1-4 rows a
+# 4,368-key table's 66 / 33 / 17 splits lost to 8 (H200, 7B heads, per layer: 10.5 -> 8.4 us at 1 row of 900 keys,
+# 9.6 -> 5.8 us at 260 keys; `bench.attention --paged --splits`); wider tables keep >= 512 keys of width a split
+SPLIT_CAP, SPLIT_KEYS = 8, 512
 
 
 @triton.jit
@@ -66,10 +70,12 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def default_split(rows: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
-    """Enough splits that rows x KV heads x splits fill the GPU twice over, never more than the widest row's tiles.
-    It depends only on shapes (the block table's width, not the lengths), so a captured step keeps it."""
+    """Enough splits that rows x KV heads x splits fill the GPU twice over, never more than the widest row's tiles
+    nor than max(SPLIT_CAP, max_keys // SPLIT_KEYS). It depends only on shapes (the block table's width, not the
+    lengths), so a captured step keeps it."""
     tiles = max(1, triton.cdiv(max_keys, BLOCK_L))
-    return max(1, min(tiles, triton.cdiv(target_programs(device), rows * kv_heads)))
+    cap = max(SPLIT_CAP, max_keys // SPLIT_KEYS)
+    return max(1, min(tiles, cap, triton.cdiv(target_programs(device), rows * kv_heads)))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

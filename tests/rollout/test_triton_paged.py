@@ -3,6 +3,7 @@ through Triton's interpreter (a subprocess, as TRITON_INTERPRET is read when ker
 at Qwen2.5-7B's head layout."""
 from __future__ import annotations
 
+import functools
 
 import pytest
 import torch
@@ -81,3 +82,22 @@ def test_gpu_kernel_float32_is_exact_and_pads_read_the_null_block():
     out = paged_decode(q, k, v, table, lens, 0.125)
     assert (out.double().cpu() - float64_attention(q, k, v, table, lens, 0.125)).abs().max() < 1e-5
     assert torch.allclose(out[2], v[0, 0].repeat_interleave(7, 0), atol=1e-6)
+
+
+def test_default_split_fills_the_gpu_within_its_caps(monkeypatch):
+    """Splits fill 2 programs per SM (132 SMs here), never more than the table's tiles, nor than 8 on a table up to
+    4,096 keys wide, nor than one per 512 keys of a wider one; it reads shapes only (a captured step keeps it)."""
+    from qerl.rollout import triton_paged
+
+    monkeypatch.setattr(triton_paged, "target_programs", lambda device: 264)
+    split = functools.partial(triton_paged.default_split, device=torch.device("cpu"))
+    assert [split(rows, 4, 4368) for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256)] == [8, 8, 8, 8, 5, 3, 2, 1, 1]
+    assert split(1, 4, 16384) == 32 and split(1, 8, 16384) == 32 and split(2, 8, 65536) == 17
+    assert split(1, 4, 100) == 2  # two 64-key tiles
+    assert split(1, 4, 16) == 1
+    for rows in (1, 3, 7, 40, 300):
+        for width in (64, 1000, 4368, 20000):
+            n = split(rows, 4, width)
+            assert 1 <= n <= max(1, -(-width // triton_paged.BLOCK_L))
+            assert n <= max(triton_paged.SPLIT_CAP, width // triton_paged.SPLIT_KEYS)
+            assert n == 1 or rows * 4 * (n - 1) < 264  # one split fewer would not fill the GPU
