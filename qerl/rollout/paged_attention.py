@@ -142,8 +142,12 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
         raise NotImplementedError("qerl_paged attention: no dropout, sliding window, sinks or softcap")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     k_cache, v_cache = meta.pool.layer(module.layer_idx)
-    _write(k_cache, v_cache, key, value, meta.slot_mapping)
     q = query[0].transpose(0, 1)  # (T, H, D)
+    if meta.decode_all and _kernel_runs(q, k_cache):  # the kernel writes the step's K/V itself: no index_copy pair
+        key, value = (t[0].transpose(0, 1).to(c.dtype) for t, c in ((key, k_cache), (value, v_cache)))
+        return _write_decode_op(q, k_cache, v_cache, key, value, meta.decode_table, meta.decode_lens,
+                                float(scale))[None], None
+    _write(k_cache, v_cache, key, value, meta.slot_mapping)
     if meta.decode_all:
         return _decode(q, k_cache, v_cache, meta, scale)[None], None
     out = torch.empty_like(q)
@@ -186,9 +190,26 @@ def _(q, k_cache, v_cache, table, lens, scale):
     return q.new_empty(q.shape)
 
 
+@torch.library.custom_op("qerl::paged_write_decode", mutates_args=("k_cache", "v_cache"))
+def _write_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode rows only: key/value (B, Hkv, D) written at each row's position lens - 1 and attended, one launch.
+    A row's slot comes from its block table (the engine's slot_mapping of a decode row is the same slot)."""
+    return triton_paged.paged_decode(q, k_cache, v_cache, table, lens, scale, new_kv=(key, value))
+
+
+@_write_decode_op.register_fake
+def _(q, k_cache, v_cache, key, value, table, lens, scale):
+    return q.new_empty(q.shape)
+
+
+def _kernel_runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return triton_paged is not None and triton_paged.supported(q, k_cache)
+
+
 def _decode(q, k_cache, v_cache, meta: PagedMeta, scale: float) -> torch.Tensor:
     """One query token per row: (Bd, H, D); the Triton paged kernel where it runs, else the reference."""
-    if triton_paged is not None and triton_paged.supported(q, k_cache):
+    if _kernel_runs(q, k_cache):
         return _paged_decode_op(q, k_cache, v_cache, meta.decode_table, meta.decode_lens, float(scale))
     return _decode_reference(q, k_cache, v_cache, meta, scale)
 

@@ -30,9 +30,10 @@ SPLIT_CAP, SPLIT_KEYS = 8, 512
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_ptr, pm_ptr, pl_ptr, pacc_ptr, scale,
                          sqb, sqh, skn, skp, skh, svn, svp, svh, stb, sob, soh,
+                         kn_ptr, vn_ptr, sknb, sknh, svnb, svnh,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          BL: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         WRITE: tl.constexpr = False, PDL: tl.constexpr = False):
     grid_dependency(PDL)
     q, b, kvh, sp, m_i, l_i, acc = program_start(q_ptr, sqb, sqh, G, GP, D)
     length = tl.load(lens_ptr + b)
@@ -44,12 +45,23 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_ptr, pm_ptr
     offs_b = tl.arange(0, BL)
     k_head = k_ptr + kvh * skh
     v_head = v_ptr + kvh * svh
+    if WRITE:  # this step's key and value (position length - 1): the one program whose tiles hold it stores them
+        k_new = tl.load(kn_ptr + b * sknb + kvh * sknh + offs_d)
+        v_new = tl.load(vn_ptr + b * svnb + kvh * svnh + offs_d)
+        if (t0 <= n_tiles - 1) & (n_tiles - 1 < t1):
+            last = length - 1
+            blk_last = tl.load(table_ptr + b * stb + last // BS).to(tl.int64)
+            pos_last = (last % BS).to(tl.int64)
+            tl.store(k_head + blk_last * skn + pos_last * skp + offs_d, k_new)
+            tl.store(v_head + blk_last * svn + pos_last * svp + offs_d, v_new)
     for t in range(t0, t1):  # every tile before n_tiles holds key t * BL < length, so m_i becomes finite at once
         offs_l = t * BL + offs_b
         inside = offs_l < length
         blk = tl.load(table_ptr + b * stb + offs_l // BS, mask=inside, other=0).to(tl.int64)
         pos = (offs_l % BS).to(tl.int64)
         k = tl.load(k_head + (blk * skn + pos * skp)[:, None] + offs_d[None, :], mask=inside[:, None], other=0.0)
+        if WRITE:  # the store above may not be visible to this program's own loads: use the registers
+            k = tl.where((offs_l == length - 1)[:, None], k_new[None, :], k)
         s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(inside[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -57,6 +69,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_ptr, pm_ptr
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + (blk * svn + pos * svp)[:, None] + offs_d[None, :], mask=inside[:, None], other=0.0)
+        if WRITE:
+            v = tl.where((offs_l == length - 1)[:, None], v_new[None, :], v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     program_end(o_ptr, pm_ptr, pl_ptr, pacc_ptr, b, kvh, sp, m_i, l_i, acc, sob, soh, G, GP, D, SPLIT)
@@ -79,10 +93,15 @@ def default_split(rows: int, kv_heads: int, max_keys: int, device: torch.device)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, split: int | None = None) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, split: int | None = None,
+                 new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q (B, H, D) one query token per row (any strides with unit last stride); k_cache/v_cache
     (num_blocks, block_size, Hkv, D); block_table (B, W) int32; context_lens (B,) int32, each >= 1 (keys of the
-    row, the current token's included) -> (B, H, D) in q's dtype. Query head h uses KV head h // (H / Hkv)."""
+    row, the current token's included) -> (B, H, D) in q's dtype. Query head h uses KV head h // (H / Hkv).
+
+    new_kv: this step's (key, value), each (B, Hkv, D) in the caches' dtype (unit last stride): written into the
+    pool at each row's position context_lens - 1 (its slot through the block table) by the same launch, which
+    attends over them as if they had been written first (the separate write was two index_copy launches a layer)."""
     b, h, d = q.shape
     block_size, kv = k_cache.shape[1], k_cache.shape[2]
     g, gp = head_tile(h, kv)
@@ -92,11 +111,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     pm, pl, pacc = partials(out, b, kv, split, gp, d)
     precision = "ieee" if k_cache.dtype == torch.float32 else None  # fp32 caches: no TF32 rounding
     pdl = launch_options(q.device)
+    kn, vn = new_kv if new_kv is not None else (q, q)  # unread without WRITE
+    if new_kv is not None and (kn.shape != (b, kv, d) or vn.shape != (b, kv, d) or kn.dtype != k_cache.dtype
+                               or vn.dtype != v_cache.dtype or kn.stride(-1) != 1 or vn.stride(-1) != 1):
+        raise ValueError(f"paged_decode: new_kv must be two ({b}, {kv}, {d}) {k_cache.dtype} tensors with unit last "
+                         f"stride, got {tuple(kn.shape)} {kn.dtype} / {tuple(vn.shape)} {vn.dtype}")
     _paged_decode_kernel[(b, kv, split)](
         q, k_cache, v_cache, block_table, context_lens, out, pm, pl, pacc, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0),
-        out.stride(1), G=g, GP=gp, D=d, BS=block_size, BL=BLOCK_L, SPLIT=split, PRECISION=precision,
+        out.stride(1), kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+        G=g, GP=gp, D=d, BS=block_size, BL=BLOCK_L, SPLIT=split, PRECISION=precision, WRITE=new_kv is not None,
         num_warps=4, num_stages=3, **pdl)
     combine(pm, pl, pacc, out, out.stride(0), out.stride(1), g, gp, d, split, pdl)
     return out

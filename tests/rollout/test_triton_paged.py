@@ -53,6 +53,65 @@ def test_interpreted_kernel_matches_float64_attention():
     assert len(errors) == 5 and max(errors) < 1e-5, errors
 
 
+def _with_new_kv(k, v, table, lens, seed):
+    """The step's new (key, value) per row (B, Hkv, D), and copies of the caches with them written at each row's
+    position lens - 1 through its block table: what the fused write must leave and attend over."""
+    rows, kv, d = table.shape[0], k.shape[2], k.shape[3]
+    gen = torch.Generator().manual_seed(seed)
+    kn = torch.randn(rows, kv, d, generator=gen).to(k.dtype).to(k.device)
+    vn = torch.randn(rows, kv, d, generator=gen).to(v.dtype).to(v.device)
+    k2, v2 = k.clone(), v.clone()
+    bs = k.shape[1]
+    for r in range(rows):
+        last = int(lens[r]) - 1
+        blk = int(table[r, last // bs])
+        k2[blk, last % bs], v2[blk, last % bs] = kn[r], vn[r]
+    return kn, vn, k2, v2
+
+
+INTERPRETED_WRITE = """
+    from tests.rollout.test_triton_paged import _with_new_kv, float64_attention, random_case
+    from qerl.rollout.triton_paged import paged_decode
+    errors = []
+    for block_size, split in ((16, 1), (16, 3), (32, 2), (16, 37)):
+        q, k, v, table, lens = random_case(3, 4, 2, 16, block_size, [70, 1, 129], torch.float32, "cpu")
+        kn, vn, k_want, v_want = _with_new_kv(k, v, table, lens, seed=split)
+        out = paged_decode(q, k, v, table, lens, 0.25, split=split, new_kv=(kn.transpose(0, 1).contiguous()
+                                                                            .transpose(0, 1), vn))
+        errors.append(float((out.double() - float64_attention(q, k_want, v_want, table, lens, 0.25)).abs().max()))
+        errors.append(float((k - k_want).abs().max() + (v - v_want).abs().max()))  # exactly the new slots written
+    print(json.dumps(errors))
+"""
+
+
+def test_interpreted_kernel_writes_the_steps_kv_and_attends_over_it():
+    """new_kv: the launch stores each row's key and value at position lens - 1 (and nowhere else: the caches equal
+    the written copies exactly) and its output is attention over the written caches, for every split layout, a
+    length-1 row, and a strided key tensor."""
+    errors = run_interpreted(INTERPRETED_WRITE, timeout=120)
+    assert len(errors) == 8 and max(errors[0::2]) < 1e-5 and max(errors[1::2]) == 0, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [None, 1, 5])
+def test_gpu_kernel_writes_the_steps_kv_bf16(split):
+    from qerl.rollout.triton_paged import paged_decode
+
+    lengths = [1, 17, 300, 1000, 4608, 65]
+    q, k, v, table, lens = random_case(6, 28, 4, 128, 16, lengths, torch.bfloat16, "cuda")
+    kn, vn, k_want, v_want = _with_new_kv(k, v, table, lens, seed=7)
+    scale = 128 ** -0.5
+    out = paged_decode(q, k, v, table, lens, scale, split=split, new_kv=(kn, vn))
+    torch.testing.assert_close(k, k_want, rtol=0, atol=0)
+    torch.testing.assert_close(v, v_want, rtol=0, atol=0)
+    plain = paged_decode(q, k_want, v_want, table, lens, scale, split=split)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)  # same tiles, same order: bit for bit
+    exact = float64_attention(q, k_want, v_want, table, lens, scale)
+    assert (out.double().cpu() - exact).abs().max().item() < 1e-2
+    with pytest.raises(ValueError, match="new_kv"):
+        paged_decode(q, k, v, table, lens, scale, new_kv=(kn.float(), vn))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 32, 256])
 @pytest.mark.parametrize("split", [None, 1])
