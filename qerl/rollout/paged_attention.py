@@ -143,11 +143,11 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     k_cache, v_cache = meta.pool.layer(module.layer_idx)
     q = query[0].transpose(0, 1)  # (T, H, D)
+    key, value = _step_kv(key, k_cache), _step_kv(value, v_cache)
     if meta.decode_all and _kernel_runs(q, k_cache):  # the kernel writes the step's K/V itself: no index_copy pair
-        key, value = (t[0].transpose(0, 1).to(c.dtype) for t, c in ((key, k_cache), (value, v_cache)))
         return _write_decode_op(q, k_cache, v_cache, key, value, meta.decode_table, meta.decode_lens,
                                 float(scale))[None], None
-    _write(k_cache, v_cache, key, value, meta.slot_mapping)
+    _write_op(k_cache, v_cache, key, value, meta.slot_mapping)
     if meta.decode_all:
         return _decode(q, k_cache, v_cache, meta, scale)[None], None
     out = torch.empty_like(q)
@@ -158,9 +158,9 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     return out[None], None
 
 
-def _write(k_cache, v_cache, key, value, slots) -> None:
-    _write_op(k_cache, v_cache, key[0].transpose(0, 1).to(k_cache.dtype), value[0].transpose(0, 1).to(v_cache.dtype),
-              slots)
+def _step_kv(states: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """The step's keys or values (1, Hkv, T, D) as (T, Hkv, D) in the cache's dtype."""
+    return states[0].transpose(0, 1).to(cache.dtype)
 
 
 # Custom ops, so that torch.compile treats the pool write and the Triton kernel as opaque calls: the pool is
