@@ -5,7 +5,7 @@ layer of Qwen2.5 7B shapes (28 query / 4 KV heads of 128), over a static cache o
     python -m bench.attention --paged --out results/bench/attention_paged.json   # the paged engine's kernel
 
 --paged: the paged decode kernel (`qerl.rollout.triton_paged`) with the split the engine's captured steps use, its
-block table as wide as the qwen7b recipe's rows (4,368 keys), rows of 900-3,300 filled keys, at 1-64 rows: the
+block table as wide as the qwen7b recipe's rows (4,368 keys), rows of 900-3,300 filled keys, at 1-128 rows: the
 decode kernel and the combine of its splits, one call per layer. --splits 1,2,4 also times those split counts
 (one split: no combine) and --short-rows adds rows of 260-400 keys, a rollout's first steps after a 256-token prompt:
 the engine's split rule looks at the block table's width, not the lengths, so a short row splits as a long one.
@@ -110,7 +110,7 @@ def run_paged(splits=(), short=False) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("results/bench/attention.json"))
-    p.add_argument("--paged", action="store_true", help="the paged engine's kernel at 1-64 rows instead")
+    p.add_argument("--paged", action="store_true", help="the paged engine's kernel at 1-128 rows instead")
     p.add_argument("--splits", default="", help="--paged: also these split counts, e.g. 1,2,4")
     p.add_argument("--short-rows", action="store_true", help="--paged: also rows of 260-400 keys")
     a = p.parse_args(argv)

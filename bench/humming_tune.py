@@ -5,8 +5,8 @@ of launches over rotating weight copies (no host overhead, weights not served fr
     python -m bench.humming_tune --size 7B --rows 16,32,64,128 --samples 24 --out results/bench/humming_tune.json
 
 --variants also times one-field edits of the heuristic's own pick at each M (Stream-K flipped, half-width N tiles,
-two CTAs per SM, one pipeline stage more or less): where the pick's grid is short (7B o / down at 64 rows: 28 CTAs
-on 132 SMs) such an edit is the candidate a per-shape override would ship.
+two CTAs per SM, one pipeline stage more, programmatic dependent launch), each with its largest difference from the
+pick's output: an edit that wins is the candidate a per-shape override would ship.
 """
 from __future__ import annotations
 
@@ -98,10 +98,20 @@ def variants(cfg: dict) -> dict[str, dict]:
     return out
 
 
+def launcher(weights, row, x, y):
+    """launch(i): the kernel of table row `row` over weight copy i, x -> y (what graph_us replays)."""
+    from humming.ops.launcher import launch_kernel
+
+    def launch(i):
+        t = weights[i].tensors
+        launch_kernel(configs=row, inputs=x, weight=t["weight"], weight_scale=t.get("weight_scale"),
+                      weight_scale_2=t.get("weight_scale_2"), outputs=y, locks=weights[i].locks)
+    return launch
+
+
 def time_variants(name, weights, layer, x, y, copies, m) -> dict:
     """Each edit of the heuristic's pick at M, compiled alone (an illegal edit costs only itself), timed."""
     from humming.kernel.humming import HummingKernel
-    from humming.ops.launcher import launch_kernel
 
     base = heuristic_config(weights[0], m)
     out = {"heuristic_config": base, "variants": {}}
@@ -116,11 +126,7 @@ def time_variants(name, weights, layer, x, y, copies, m) -> dict:
             if row is None:
                 row = HummingKernel.prepare_kernels(layer.to_str(), None, [(0, 1 << 30, cfg)],
                                                     device=torch.device("cuda")).reshape(-1, 4)[0]
-
-            def launch(i, row=row):
-                t = weights[i].tensors
-                launch_kernel(configs=row, inputs=x, weight=t["weight"], weight_scale=t.get("weight_scale"),
-                              weight_scale_2=t.get("weight_scale_2"), outputs=y, locks=weights[i].locks)
+            launch = launcher(weights, row, x, y)
             us = graph_us(launch, copies)
             ref = torch.empty_like(y)
             weights[0].run(x, ref)
@@ -136,7 +142,6 @@ def time_variants(name, weights, layer, x, y, copies, m) -> dict:
 def tune_shape(name, n, k, rows, samples, bandwidth, edits=False) -> dict:
     from humming.config import ComputeConfig, GemmType
     from humming.kernel.humming import HummingKernel
-    from humming.ops.launcher import launch_kernel
     from humming.testing.tuning import sample_test_tuning_configs
 
     from qerl.quant.dispatch import HUMMING_TABLE_ROWS
@@ -169,13 +174,8 @@ def tune_shape(name, n, k, rows, samples, bandwidth, edits=False) -> dict:
         bf16 = graph_us(lambda i: torch.matmul(x, dense[i].T, out=y), len(dense))
         timed = []
         for j, row in enumerate(table):
-            def launch(i, row=row):
-                tensors = weights[i].tensors
-                launch_kernel(configs=row, inputs=x, weight=tensors["weight"],
-                              weight_scale=tensors.get("weight_scale"), weight_scale_2=tensors.get("weight_scale_2"),
-                              outputs=y, locks=weights[i].locks)
             try:
-                timed.append((graph_us(launch, copies), j))
+                timed.append((graph_us(launcher(weights, row, x, y), copies), j))
             except Exception as err:  # noqa: BLE001 - a sampled config that does not run at this M
                 timed.append((float("inf"), j))
                 print(f"  {name} M={m} candidate {j}: {type(err).__name__}: {str(err)[:120]}", flush=True)
