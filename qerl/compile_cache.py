@@ -105,9 +105,9 @@ def install_triton_clock() -> bool:
 
 class CompileClock:
     """Compile seconds by library since it started: torch.compile from dynamo's own metrics, humming from
-    qerl.quant.kernels.humming_fp4's prepare timer, our CUDA kernels from cuda_build's, our Triton kernels' JIT
-    where install_triton_clock was called (the benchmarks do; 0 otherwise); the rest of a slow first step (warm-up
-    steps, captures) is what the caller's wall clock leaves."""
+    qerl.quant.kernels.humming_fp4's prepare timer (seconds waited; background compiles apart), our CUDA kernels
+    from cuda_build's, our Triton kernels' JIT where install_triton_clock was called (the benchmarks do; 0
+    otherwise); the rest of a slow first step (warm-up steps, captures) is what the caller's wall clock leaves."""
 
     def __init__(self):
         from qerl.quant.kernels import cuda_build, humming_fp4
@@ -123,6 +123,7 @@ class CompileClock:
         return {"wall_s": time.perf_counter() - self.start,
                 "torch_compile_s": dynamo_compile_seconds() - self.dynamo0,
                 "humming_prepare_s": self._humming["seconds"] - self.humming0["seconds"],
+                "humming_background_s": self._humming["background"] - self.humming0["background"],
                 "humming_kernels": self._humming["kernels"] - self.humming0["kernels"],
                 "cuda_build_s": self._cuda["seconds"] - self.cuda0["seconds"],
                 "triton_jit_s": TRITON_JIT["seconds"] - self.triton0["seconds"],
@@ -136,3 +137,21 @@ class CompileClock:
             if len(v["keys"]) > n0:
                 out[name] = {"kernels": len(v["keys"]) - n0, "seconds": v["seconds"] - s0, "keys": v["keys"][n0:]}
         return out
+
+
+def report(times: dict, log) -> dict:
+    """One `log` line when a rollout compiled for over a second (its first): what, and where it is kept; returns
+    the seconds as stats. `times`: CompileClock.summary()."""
+    t = {k: times.get(k, 0.0) for k in ("torch_compile_s", "humming_prepare_s", "humming_background_s", "cuda_build_s",
+                                         "triton_jit_s")}
+    spent = t["torch_compile_s"] + t["humming_prepare_s"] + t["cuda_build_s"] + t["triton_jit_s"]
+    if spent > 1.0:
+        log.info("rollout: %.1f s of this %.1f s call compiled: torch.compile of the decoder layers %.1f s, humming %d "
+                 "kernels %.1f s waited (%.1f s in the background), qerl's CUDA kernels %.1f s, qerl's Triton kernels "
+                 "%d specializations %.1f s (the rest: warm-up steps, captures); kept for later runs under %s", spent,
+                 times["wall_s"], t["torch_compile_s"], times.get("humming_kernels", 0), t["humming_prepare_s"],
+                 t["humming_background_s"], t["cuda_build_s"], times.get("triton_kernels", 0), t["triton_jit_s"],
+                 cache_root() or "each library's default cache")
+    return {"compile_torch_s": t["torch_compile_s"], "compile_humming_s": t["humming_prepare_s"],
+            "compile_humming_background_s": t["humming_background_s"], "compile_cuda_s": t["cuda_build_s"],
+            "compile_triton_s": t["triton_jit_s"]}

@@ -23,7 +23,7 @@ import torch
 from qerl.errors import QerlError
 from qerl.quant import side_stream
 from qerl.quant.kernels import cuda_fp4, humming_fp4
-from qerl.quant.kernels.device import auto_on_off, capability, device_index, pdl_mode
+from qerl.quant.kernels.device import auto_on_off, capability, device_index, in_decode_step, pdl_mode
 from qerl.quant.operands import check_operands, lora_adapter, segment_bounds, stack_bounds
 from qerl.quant.reference import reference_fp4_lora_matmul, reference_fp4_matmul, reference_fp4_matmul_t
 
@@ -164,10 +164,14 @@ def _humming_takes(capability, rows, dtype, humming, environ) -> bool:
 def _humming_fits(x: torch.Tensor, weight_packed: torch.Tensor) -> bool:
     """humming's tiles: N a multiple of 64, K of 128 (every Qwen2.5 projection); the package imports here; and
     (QERL_FP4_HUMMING=auto) the weight already holds its repacked copy: an engine builds the copies when memory
-    allows (qerl.quant.humming_copies), so a forward never allocates one behind the memory plan's back."""
+    allows (qerl.quant.humming_copies), so a forward never allocates one behind the memory plan's back. A copy
+    whose kernels still compile in the background is skipped, except in a decode step (its warm-up and capture
+    must pick the same kernels), which waits for them."""
     if not humming_fp4.fits(weight_packed) or not humming_fp4.available(x.device):
         return False
-    return humming_fp4.has_copy(weight_packed) or fp4_humming_mode() == "1"
+    if humming_fp4.has_copy(weight_packed):
+        return humming_fp4.copy_ready(weight_packed) or in_decode_step()
+    return fp4_humming_mode() == "1"
 
 
 @functools.cache

@@ -46,13 +46,16 @@ def humming_copy_bytes(model: nn.Module, groups=()) -> int:
                for wp, ws, _, _ in _operands(model, groups) if not humming_fp4.has_copy(wp))
 
 
-def attach_humming_copies(model: nn.Module, groups=(), dtype: torch.dtype = torch.bfloat16) -> int:
+def attach_humming_copies(model: nn.Module, groups=(), dtype: torch.dtype = torch.bfloat16,
+                          background: bool = False) -> int:
     """Give every NVFP4 matmul of `model` (`groups`: its projection groups) its repacked copy for activations in
     `dtype`; returns the bytes the copies hold. Idempotent. Their kernels are compiled here for the row counts the
-    dispatcher sends to humming (QERL_FP4_HUMMING=1: any)."""
+    dispatcher sends to humming (QERL_FP4_HUMMING=1: any); with `background` (QERL_FP4_HUMMING=auto only) a first
+    compile runs on a background thread instead (build_copies)."""
     ops = [op for op in _operands(model, groups) if op[0].is_cuda]
     rows = None if fp4_humming_mode() == "1" else HUMMING_TABLE_ROWS
-    return sum(hw.nbytes() for hw in build_copies(ops, dtype, rows))
+    background = background and fp4_humming_mode() == "auto"
+    return sum(hw.nbytes() for hw in build_copies(ops, dtype, rows, background))
 
 
 def _shape_key(op) -> tuple:
@@ -71,11 +74,21 @@ def _build_in_thread(op, stream, dtype: torch.dtype, rows):
         return humming_fp4.humming_weight(*op, dtype, rows)
 
 
-def build_copies(ops, dtype: torch.dtype, rows) -> list:
+def build_copies(ops, dtype: torch.dtype, rows, background: bool = False) -> list:
     """humming_fp4.humming_weight of each (weight_packed, weight_scale, weight_global_scale, segments), in order.
     The first weight without a copy of each distinct shape is built in its own thread, so humming's nvcc runs for
     all shapes at once (a 7B: 4 shapes x 6 kernels, ~27 s one shape after another on a cold cache); the rest find
-    its kernels."""
+    its kernels. With `background`, every copy is repacked here and kernels not compiled before in this process
+    compile on a background thread (humming_fp4.compile_in_background): a first rollout's prefill and the
+    torch.compile of its decode step run meanwhile (a cold 7B: ~12 s of nvcc beside ~24 s of torch.compile)."""
+    if background:
+        made = [humming_fp4.humming_weight(*op, dtype, rows, defer=True) for op in ops]
+        fresh = [c for c in made if c.tuning is None and c.ready is None]
+        for c in fresh:
+            if c.compiled_before():  # a memo lookup: no thread, so later rollouts never skip a copy
+                c.tuning = c.prepare()
+        humming_fp4.compile_in_background([c for c in fresh if c.tuning is None])
+        return made
     first: dict = {}
     for i, op in enumerate(ops):
         if not humming_fp4.has_copy(op[0]):  # held copies (a resident engine's next rollout) need no thread
@@ -95,6 +108,7 @@ def build_copies(ops, dtype: torch.dtype, rows) -> list:
 
 
 def detach_humming_copies(model: nn.Module, groups=()) -> None:
-    """Drop the copies of `model`'s matmuls (other models' copies stay)."""
+    """Drop the copies of `model`'s matmuls (other models' copies stay), after any compile still running for them."""
+    humming_fp4.wait_pending()
     for wp, _, _, _ in _operands(model, groups):
         humming_fp4.drop(wp)

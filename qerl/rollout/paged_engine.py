@@ -164,7 +164,7 @@ class PagedEngine(RolloutEngine):
                     counts[key] += 1
                     waits[key] += waited
         graph_stats = {k: v - before[k] for k, v in graphs.stats.items()} if graphs is not None else {}
-        compiled = _log_compiles(clock.summary())
+        compiled = compile_cache.report(clock.summary(), log)
         self.stats = dict(sched.stats, num_blocks=pool.num_blocks, kv_bytes=pool.nbytes, pool_kept=kept,
                           resident_pool=self._resident_pool, update_bytes=self.update_bytes or 0,
                           dense_copy_bytes=self.dense_bytes, projection_groups=len(self._groups), **graph_stats,
@@ -220,7 +220,7 @@ class PagedEngine(RolloutEngine):
         self.humming_check = dict(need=need, free=free, kept=0 < need <= _DENSE_COPY_FREE_FRACTION * free)
         if self.humming_check["kept"]:
             start = time.perf_counter()
-            self.humming_bytes = attach_humming_copies(self.model, self._groups, compute_dtype(self.model))
+            self.humming_bytes = attach_humming_copies(self.model, self._groups, compute_dtype(self.model), True)
             self.humming_check["build_s"] = time.perf_counter() - start
 
     def _keep_dense_copies(self, rows: int) -> None:
@@ -416,20 +416,6 @@ def _step_bin(rows: int, decode: bool) -> str:
         return "prefill"
     return "decode_1_32" if rows <= 32 else "decode_33_128" if rows <= 128 else \
         "decode_129_512" if rows <= 512 else "decode_513_up"
-
-
-def _log_compiles(times: dict) -> dict:
-    """One log line when this call compiled for over a second (a first rollout): what, where it is kept; stats."""
-    triton_s = times.get("triton_jit_s", 0.0)
-    spent = times["torch_compile_s"] + times["humming_prepare_s"] + times["cuda_build_s"] + triton_s
-    if spent > 1.0:
-        log.info("rollout: %.1f s of this %.1f s call compiled: torch.compile of the decoder layers %.1f s, humming "
-                 "%d kernels %.1f s, qerl's CUDA kernels %.1f s, qerl's Triton kernels %d specializations %.1f s (the "
-                 "rest of the build: warm-up steps, captures); kept for later runs under %s", spent, times["wall_s"],
-                 times["torch_compile_s"], times["humming_kernels"], times["humming_prepare_s"], times["cuda_build_s"],
-                 times.get("triton_kernels", 0), triton_s, compile_cache.cache_root() or "each library's default cache")
-    return {"compile_torch_s": times["torch_compile_s"], "compile_humming_s": times["humming_prepare_s"],
-            "compile_cuda_s": times["cuda_build_s"], "compile_triton_s": triton_s}
 
 
 def _decode_only(chunks) -> bool:

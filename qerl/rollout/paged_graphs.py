@@ -28,6 +28,7 @@ import warnings
 
 import torch
 
+from qerl.quant.kernels import humming_fp4
 from qerl.quant.kernels.device import decode_step_launches
 from qerl.rollout.paged_attention import PagedMeta, paged_step
 from qerl.rollout.sampling import sample_tokens
@@ -208,6 +209,7 @@ class DecodeGraphs:
         """Capture the step (which records without running it), then replay it once for this step's outputs."""
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream()
+        humming_fp4.wait_pending()  # a kernel that loads while capturing breaks the capture
         try:
             with torch.cuda.graph(graph, pool=self.mempool):
                 self._body(size)

@@ -1,6 +1,8 @@
 """qerl.quant.humming_copies on CPU: which matmuls get a copy and what they would cost (no GPU, no humming)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from bench.random_models import attach_lora, build_random_model, qwen25_config
@@ -140,3 +142,136 @@ def test_weights_that_hold_a_copy_are_not_sent_to_threads(monkeypatch):
                         lambda wp, *a: threads.append(threading.get_ident()) or id(wp))
     assert humming_copies.build_copies(ops, torch.bfloat16, None) == [id(op[0]) for op in ops]
     assert threads == [threading.get_ident()] * len(ops)
+
+
+class _FakeCopy:
+    """What compile_in_background and build_copies ask of a HummingWeight: job_key, prepare, tuning, ready."""
+
+    def __init__(self, key, hold=None, log=None, done_before=False):
+        self.key, self.hold, self.log, self.done_before = key, hold, log, done_before
+        self.device, self.tuning, self.ready = torch.device("cpu"), None, None
+
+    def job_key(self):
+        return self.key
+
+    def compiled_before(self):
+        return self.done_before
+
+    def prepare(self, background=False):
+        if self.log is not None:
+            self.log.append((self.key, background))
+        if self.hold is not None:
+            self.hold.wait()  # the test releases it: "compiling" until then
+        return f"table-{self.key}"
+
+
+def test_background_compiles_once_per_job_all_jobs_together_and_the_wait_is_counted(monkeypatch):
+    """compile_in_background: one prepare per distinct job_key, the jobs running at the same time on a background
+    thread while the caller goes on; every copy gets its job's table; copy_ready says so only once done;
+    wait_pending blocks until then and counts the seconds blocked as humming's (foreground) compile time."""
+    import threading
+    import time
+
+    from qerl.quant.kernels import humming_fp4
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setitem(humming_fp4.PREPARE, "seconds", 0.0)
+    release, log = threading.Event(), []
+    both_in = threading.Barrier(3, timeout=10)  # the two jobs and this test: raises unless the jobs overlap
+
+    class Held(_FakeCopy):
+        def prepare(self, background=False):
+            both_in.wait()
+            return super().prepare(background)
+
+    copies = [Held("qkv", release, log), Held("o", release, log), Held("qkv", release, log)]
+    future = humming_fp4.compile_in_background(copies)
+    both_in.wait()  # both jobs started, and this thread was not held up
+    assert all(c.ready is future for c in copies) and not future.done()
+    wp = torch.zeros(4, 4, dtype=torch.uint8)
+    wp.__dict__[humming_fp4._ATTR] = copies[0]
+    assert humming_fp4.has_copy(wp) and not humming_fp4.copy_ready(wp)
+    threading.Timer(0.2, release.set).start()
+    start = time.perf_counter()
+    humming_fp4.wait_pending()
+    assert time.perf_counter() - start >= 0.15 and humming_fp4.PREPARE["seconds"] >= 0.15
+    assert sorted(log) == [("o", True), ("qkv", True)]  # one prepare per job, marked as background work
+    assert [c.tuning for c in copies] == ["table-qkv", "table-o", "table-qkv"]
+    assert humming_fp4.copy_ready(wp) and not humming_fp4._PENDING
+    humming_fp4.wait_pending()  # nothing pending: returns at once
+    assert humming_fp4.compile_in_background([]) is None
+
+
+def test_build_copies_in_the_background_repacks_here_and_compiles_only_what_is_new(monkeypatch):
+    """build_copies(background=True): every copy is made (repacked) in the caller's thread with its compile
+    deferred; copies whose job this process compiled before prepare at once (a memo lookup), so later rollouts
+    never see a copy that is not ready; only the new jobs go to the background."""
+    from qerl.quant import humming_copies
+    from qerl.quant.kernels import humming_fp4
+
+    model = _model()
+    ops = _operands(model, group_projections(model, kinds=("fp4",)))
+    made, log = [], []
+
+    def fake(wp, ws, gs, segs, dtype, rows, defer=False):
+        assert defer
+        c = _FakeCopy(tuple(wp.shape), log=log, done_before=wp.shape[0] == 256)
+        made.append(c)
+        return c
+
+    sent = []
+    monkeypatch.setattr(humming_fp4, "humming_weight", fake)
+    monkeypatch.setattr(humming_fp4, "compile_in_background", lambda copies: sent.extend(copies))
+    out = humming_copies.build_copies(ops, torch.bfloat16, (32,), background=True)
+    assert out == made and len(out) == len(ops)
+    assert all(c.tuning is not None for c in out if c.done_before)
+    assert {(k, b) for k, b in log} == {((256, 128), False), ((256, 256), False)}  # o and down: compiled before
+    assert sent == [c for c in out if not c.done_before] and all(c.tuning is None for c in sent)
+
+
+def test_dispatch_skips_a_copy_still_compiling_except_in_a_decode_step(monkeypatch):
+    """A prefill while humming compiles takes the other kernels; a decode step's warm-up and its capture take
+    humming (and wait for it), so the captured graph replays the kernels its warm-up ran."""
+    from qerl.quant import dispatch
+    from qerl.quant.kernels import humming_fp4
+    from qerl.quant.kernels.device import decode_step_launches
+
+    ready = {"now": False}
+    monkeypatch.setattr(humming_fp4, "fits", lambda wp: True)
+    monkeypatch.setattr(humming_fp4, "available", lambda device: True)
+    monkeypatch.setattr(humming_fp4, "has_copy", lambda wp: True)
+    monkeypatch.setattr(humming_fp4, "copy_ready", lambda wp: ready["now"])
+    x, wp = torch.zeros(32, 128), torch.zeros(64, 64, dtype=torch.uint8)
+    assert not dispatch._humming_fits(x, wp)
+    with decode_step_launches():
+        assert dispatch._humming_fits(x, wp)
+    ready["now"] = True
+    assert dispatch._humming_fits(x, wp)
+    monkeypatch.setattr(humming_fp4, "has_copy", lambda wp: False)
+    assert not dispatch._humming_fits(x, wp)  # auto: no copy, no humming (QERL_FP4_HUMMING=1 builds one)
+
+
+def test_a_copy_runs_only_once_its_kernels_are_compiled(monkeypatch):
+    """HummingWeight.run waits for its background compile before launching (humming would otherwise compile
+    the whole table itself, inside the forward)."""
+    import threading
+    import types
+
+    from qerl.quant.kernels import humming_fp4
+
+    seen = []
+    hw = object.__new__(humming_fp4.HummingWeight)
+    hw.config, hw.tensors, hw.locks, hw.tuning = "cfg", {"weight": "w"}, "locks", None
+    forward = types.SimpleNamespace(humming_forward=lambda config, **kw: seen.append(kw["tuning_config"]))
+    monkeypatch.setattr(humming_fp4, "_humming", lambda: {"forward": forward})
+    gate = threading.Event()
+
+    def compile_it():
+        gate.wait()
+        hw.tuning = "table"
+
+    hw.ready = humming_fp4._background().submit(compile_it)
+    humming_fp4._PENDING.append(hw.ready)
+    threading.Timer(0.1, gate.set).start()
+    hw.run(torch.zeros(2, 2), torch.zeros(2, 2))
+    assert seen == ["table"] and hw.ready is None and not humming_fp4._PENDING

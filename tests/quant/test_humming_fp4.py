@@ -120,6 +120,49 @@ def test_auto_uses_only_prebuilt_copies_and_the_engine_builds_them(monkeypatch):
     hf.clear()
 
 
+def test_background_compile_prefill_on_our_kernels_decode_steps_wait_for_humming(monkeypatch):
+    """attach_humming_copies(background=True) returns before humming's kernels are compiled: a forward outside a
+    decode step takes our kernels meanwhile, one inside a decode step's warm-up waits and runs humming (bit for
+    bit what a synchronously attached copy gives); wait_pending leaves nothing compiling."""
+    hf = _humming()
+    import threading
+
+    from qerl.quant import dispatch
+    from qerl.quant.humming_copies import attach_humming_copies
+    from qerl.quant.kernels.device import decode_step_launches
+    from qerl.quant.linear import FP4Linear
+
+    monkeypatch.delenv("QERL_FP4_HUMMING", raising=False)
+    layer = FP4Linear.from_linear(torch.nn.Linear(1024, 768, bias=False).cuda())
+    ops = (layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    attach_humming_copies(torch.nn.Sequential(layer))
+    want = dispatch.run_fp4_matmul(x, *ops, kernel="humming")
+    hf.clear()
+    gate = threading.Event()
+    real = hf.HummingWeight.prepare
+
+    def held(self, background=False):  # "compiling" until the decode step below has started waiting
+        gate.wait(30)
+        return real(self, background)
+
+    monkeypatch.setattr(hf.HummingWeight, "prepare", held)
+    monkeypatch.setattr(hf, "_JOBS_DONE", set())  # as in a fresh process: the compile goes to the background
+    attach_humming_copies(torch.nn.Sequential(layer), background=True)
+    assert hf.has_copy(layer.weight_packed) and not hf.copy_ready(layer.weight_packed)
+    kernels = []
+    launch = dispatch._launch_forward
+    monkeypatch.setattr(dispatch, "_launch_forward", lambda kernel, *a: kernels.append(kernel) or launch(kernel, *a))
+    prefill = dispatch.run_fp4_matmul(x, *ops)
+    threading.Timer(0.2, gate.set).start()
+    with decode_step_launches():
+        decode = dispatch.run_fp4_matmul(x, *ops)
+    assert kernels == ["triton", "humming"] and hf.copy_ready(layer.weight_packed) and not hf._PENDING
+    assert torch.equal(decode, want)
+    _close(prefill, want)
+    hf.clear()
+
+
 def test_graph_replay_and_in_place_weight_updates():
     """A captured humming matmul replays with new inputs; a weight changed in place is seen after refresh_stale
     (the engines call it before each rollout), through the same addresses."""

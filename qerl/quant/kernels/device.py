@@ -44,6 +44,12 @@ def decode_step_launches():
         _DECODE_STEP.reset(token)
 
 
+def in_decode_step() -> bool:
+    """Inside a decode step's warm-up (decode_step_launches) or a CUDA-graph capture: launches that a captured
+    graph keeps."""
+    return _DECODE_STEP.get() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def use_pdl(device_index: int) -> bool:
     how = pdl_mode()
     if how == "0" or not hopper(device_index):

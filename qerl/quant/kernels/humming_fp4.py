@@ -18,19 +18,27 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from qerl.quant.kernels.device import capability, device_index
 
-__all__ = ["PREPARE", "available", "clear", "copies_nbytes", "dequantize_humming", "drop", "fits",
-           "fp4_matmul_humming", "has_copy", "humming_weight", "refresh_stale", "tuning_intervals"]
+__all__ = ["PREPARE", "available", "clear", "compile_in_background", "copies_nbytes", "copy_ready",
+           "dequantize_humming", "drop", "fits", "fp4_matmul_humming", "has_copy", "humming_weight", "refresh_stale",
+           "tuning_intervals", "wait_pending"]
 
 _ATTR = "_qerl_humming"  # the repacked copy, kept on the packed weight tensor itself
-PREPARE = {"seconds": 0.0, "kernels": 0, "layers": 0}  # humming's JIT work in this process (qerl.compile_cache)
+# humming's JIT work in this process (qerl.compile_cache): "seconds" the caller waited for it (compiling in its own
+# thread, or blocked on a background compile), "background" the wall clock of compiles run beside the caller
+PREPARE = {"seconds": 0.0, "kernels": 0, "layers": 0, "background": 0.0}
 _PREPARED: set = set()  # (layer config, table) strings prepared in this process: later builds hit humming's memo
+_JOBS_DONE: set = set()  # HummingWeight.job_key of every prepare that succeeded here
+_PENDING: list[Future] = []  # background compiles not yet waited for (compile_in_background)
+_LOCK = threading.Lock()
 
 
 @functools.cache
@@ -83,7 +91,7 @@ class HummingWeight:
     """One packed NVFP4 weight (up to three stacked along N) in humming's layout, and its layer config."""
 
     def __init__(self, weight_packed, weight_scale, weight_global_scale, segments, dtype: torch.dtype,
-                 rows: tuple[int, ...] | None = None):
+                 rows: tuple[int, ...] | None = None, defer: bool = False):
         h = _humming()
         n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
         self.key = self._key(weight_packed, weight_scale, weight_global_scale, segments, dtype)
@@ -105,28 +113,41 @@ class HummingWeight:
                 device=weight_packed.device, tensors=dict(tensors))
             self.tensors = h["transform"].transform_humming_tensors(self.config, dict(tensors))
         self.rows = rows
-        self.tuning = self._prepare(h, weight_packed.device)
+        self.device = weight_packed.device
+        self.ready: Future | None = None  # while compile_in_background builds this copy's kernels
+        self.tuning = None if defer else self.prepare()
         self.operands = tuple(weakref.ref(t) for t in (weight_packed, weight_scale, weight_global_scale))
         self.segments = tuple(segments)
         self.locks = torch.zeros(2048, dtype=torch.int32, device=weight_packed.device)  # stream-K state, per weight
 
-    def _prepare(self, h, device) -> str | None:
+    def prepare(self, background: bool = False) -> str | None:
         """Compile (or load from HUMMING_CACHE_DIR) this layer's kernels now, timed, rather than inside the first
-        forward that needs them (a graph warm-up step); returns the tuning table its calls pass."""
-        start = time.perf_counter()
+        forward that needs them (a graph warm-up step); returns the tuning table its calls pass (None where humming's
+        internals moved: its own lazy path still works)."""
+        h, start = _humming(), time.perf_counter()
         try:
-            intervals = h["heuristics"](self.config, device=device)
+            intervals = h["heuristics"](self.config, device=self.device)
             table = json.dumps(tuning_intervals(intervals, self.rows))
             layer = self.config.to_str()
-            ids = h["kernel"].prepare_kernels(layer, None, table, device)
-        except Exception:  # noqa: BLE001 - humming's internals moved: its own lazy path still works
+            ids = h["kernel"].prepare_kernels(layer, None, table, self.device)
+        except Exception:  # noqa: BLE001
             return None
-        if (layer, table) not in _PREPARED:
-            _PREPARED.add((layer, table))
-            PREPARE["seconds"] += time.perf_counter() - start
-            PREPARE["kernels"] += len({int(i) for i in ids[2::4]})
-            PREPARE["layers"] += 1
+        with _LOCK:
+            _JOBS_DONE.add(self.job_key())
+            if (layer, table) not in _PREPARED:
+                _PREPARED.add((layer, table))
+                PREPARE["background" if background else "seconds"] += time.perf_counter() - start
+                PREPARE["kernels"] += len({int(i) for i in ids[2::4]})
+                PREPARE["layers"] += 1
         return table
+
+    def job_key(self) -> tuple:
+        """What its kernels depend on: copies with equal keys share one compile."""
+        return self.config.to_str(), self.rows, str(self.device)
+
+    def compiled_before(self) -> bool:
+        """Whether this process already prepared kernels for its job_key (preparing again is a memo lookup)."""
+        return self.job_key() in _JOBS_DONE
 
     @staticmethod
     def _key(weight_packed, weight_scale, weight_global_scale, segments, dtype):
@@ -146,6 +167,9 @@ class HummingWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def run(self, x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.ready is not None:  # its kernels compile in the background and a forward needs them now
+            wait_pending()
+            self.ready = None
         t = self.tensors
         return _humming()["forward"].humming_forward(
             self.config, inputs=x2, weight=t["weight"], weight_scale=t.get("weight_scale"),
@@ -171,7 +195,8 @@ def _tracked() -> list[torch.Tensor]:
 
 
 def humming_weight(weight_packed, weight_scale, weight_global_scale, segments=None,
-                   dtype: torch.dtype = torch.bfloat16, rows: tuple[int, ...] | None = None) -> HummingWeight:
+                   dtype: torch.dtype = torch.bfloat16, rows: tuple[int, ...] | None = None,
+                   defer: bool = False) -> HummingWeight:
     """The repacked copy of this packed weight for activations in `dtype`: built on first use, rebuilt (into the
     same tensors) when any operand was changed in place or replaced. `rows`: the row counts whose kernels it
     compiles (tuning_intervals; None: humming's whole table), fixed by the copy's first build."""
@@ -181,7 +206,7 @@ def humming_weight(weight_packed, weight_scale, weight_global_scale, segments=No
     if held is not None and held.key == key:
         return held
     fresh = HummingWeight(weight_packed, weight_scale, weight_global_scale, segments, dtype,
-                          held.rows if held is not None else rows)
+                          held.rows if held is not None else rows, defer=defer and held is None)
     if held is not None and held.key[-2:] == key[-2:] and \
             all(held.tensors[n].shape == t.shape for n, t in fresh.tensors.items()):
         held.refresh_from(fresh)
@@ -202,6 +227,59 @@ def refresh_stale() -> int:
             humming_weight(*ops, held.segments, held.dtype)
             stale += 1
     return stale
+
+
+@functools.cache
+def _background() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="qerl-humming")
+
+
+def compile_in_background(copies: list) -> Future | None:
+    """Compile the kernels of copies built with defer=True on a background thread, one worker per distinct
+    job_key (humming runs nvcc per layer config), while the caller goes on: a rollout's prefill on the other
+    kernels (qerl.quant.dispatch skips a copy that is not ready outside a decode step), torch.compile of its decode
+    step. Each copy's `ready` is the returned future; HummingWeight.run and wait_pending wait for it."""
+    jobs: dict = {}
+    for c in copies:
+        jobs.setdefault(c.job_key(), []).append(c)
+    if not jobs:
+        return None
+
+    def one(group) -> None:
+        with torch.cuda.device(group[0].device):  # a new thread starts on device 0
+            tuning = group[0].prepare(background=True)
+        for c in group:
+            c.tuning = tuning
+
+    def work() -> None:
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            list(pool.map(one, jobs.values()))
+
+    future = _background().submit(work)
+    for c in copies:
+        c.ready = future
+    _PENDING.append(future)
+    return future
+
+
+def wait_pending() -> None:
+    """Block until every background compile has finished, the seconds blocked counted in PREPARE["seconds"]. A
+    CUDA-graph capture must come after: humming loads each kernel as it compiles it, and a module load during a
+    capture breaks the capture."""
+    if not _PENDING:
+        return
+    start = time.perf_counter()
+    try:
+        while _PENDING:
+            _PENDING.pop(0).result()
+    finally:
+        PREPARE["seconds"] += time.perf_counter() - start
+
+
+def copy_ready(weight_packed: torch.Tensor) -> bool:
+    """Whether this packed weight holds a copy whose kernels are compiled (none compiling in the background)."""
+    held = weight_packed.__dict__.get(_ATTR)
+    return held is not None and (held.ready is None or held.ready.done())
 
 
 def has_copy(weight_packed: torch.Tensor) -> bool:
