@@ -6,9 +6,9 @@
 One program per (row, KV head, split): the query heads of a KV head are the rows of one tensor-core tile; the row's
 keys are read in tiles of BLOCK_L positions, each position's block looked up in the row's block table (a tile may
 span several small blocks or part of a large one), with an online softmax. The row's length is given, so nothing
-past it is read and no mask is scanned; the splits share out the row's tiles and qerl.rollout.triton_split's combine
-kernel merges their partial (max, sum, output), as for the static kernel. Rows padded for a CUDA graph point at the
-null block with length 1.
+past it is read and no mask is scanned; the splits share out the row's tiles, and the last of them to finish merges
+their partial (max, sum, output) (qerl.rollout.triton_split: up to MERGE_MAX_SPLITS splits, beyond them its combine
+kernel, as for the static kernel). Rows padded for a CUDA graph point at the null block with length 1.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import triton.language as tl
 
 from qerl.quant.kernels.tiling import target_programs
 from qerl.quant.kernels.triton_fp4 import grid_dependency
-from qerl.rollout.triton_split import combine, head_tile, launch_options, partials, program_end, program_start
+from qerl.rollout.triton_split import (arrival_counters, combine, head_tile, launch_options, merge_in_kernel, partials,
+                                       program_end, program_start)
 
 BLOCK_L = 64  # key positions per tile
 # splits at most max(SPLIT_CAP, width / SPLIT_KEYS): the combine's cost grows with the splits, and at 1-4 rows a
@@ -30,10 +31,10 @@ SPLIT_CAP, SPLIT_KEYS = 8, 512
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_ptr, pm_ptr, pl_ptr, pacc_ptr, scale,
                          sqb, sqh, skn, skp, skh, svn, svp, svh, stb, sob, soh,
-                         kn_ptr, vn_ptr, sknb, sknh, svnb, svnh,
+                         kn_ptr, vn_ptr, sknb, sknh, svnb, svnh, cnt_ptr,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          BL: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                         WRITE: tl.constexpr = False, PDL: tl.constexpr = False):
+                         WRITE: tl.constexpr = False, MERGE: tl.constexpr = False, PDL: tl.constexpr = False):
     grid_dependency(PDL)
     q, b, kvh, sp, m_i, l_i, acc = program_start(q_ptr, sqb, sqh, G, GP, D)
     length = tl.load(lens_ptr + b)
@@ -73,7 +74,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, o_ptr, pm_ptr
             v = tl.where((offs_l == length - 1)[:, None], v_new[None, :], v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    program_end(o_ptr, pm_ptr, pl_ptr, pacc_ptr, b, kvh, sp, m_i, l_i, acc, sob, soh, G, GP, D, SPLIT)
+    program_end(o_ptr, pm_ptr, pl_ptr, pacc_ptr, b, kvh, sp, m_i, l_i, acc, sob, soh, G, GP, D, SPLIT, cnt_ptr, MERGE)
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -112,6 +113,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     precision = "ieee" if k_cache.dtype == torch.float32 else None  # fp32 caches: no TF32 rounding
     pdl = launch_options(q.device)
     kn, vn = new_kv if new_kv is not None else (q, q)  # unread without WRITE
+    merge = merge_in_kernel(split)
+    cnt = arrival_counters(q.device, b * kv) if merge else pm  # unread without MERGE
     if new_kv is not None and (kn.shape != (b, kv, d) or vn.shape != (b, kv, d) or kn.dtype != k_cache.dtype
                                or vn.dtype != v_cache.dtype or kn.stride(-1) != 1 or vn.stride(-1) != 1):
         raise ValueError(f"paged_decode: new_kv must be two ({b}, {kv}, {d}) {k_cache.dtype} tensors with unit last "
@@ -120,8 +123,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_table, context_lens, out, pm, pl, pacc, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0),
-        out.stride(1), kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+        out.stride(1), kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cnt,
         G=g, GP=gp, D=d, BS=block_size, BL=BLOCK_L, SPLIT=split, PRECISION=precision, WRITE=new_kv is not None,
-        num_warps=4, num_stages=3, **pdl)
-    combine(pm, pl, pacc, out, out.stride(0), out.stride(1), g, gp, d, split, pdl)
+        MERGE=merge, num_warps=4, num_stages=3, **pdl)
+    if not merge:
+        combine(pm, pl, pacc, out, out.stride(0), out.stride(1), g, gp, d, split, pdl)
     return out

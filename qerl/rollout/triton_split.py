@@ -1,8 +1,9 @@
 """What the two Triton decode-attention kernels share (static cache: qerl.rollout.triton_attention, paged pool:
 qerl.rollout.triton_paged): one program per (row, KV head, split), the query heads of a KV head as the rows of one
-tensor-core tile, an online softmax over the split's keys, and, with several splits, a second kernel that merges
-their partial (max, sum, output): per query head in chunks of splits from COMBINE_CHUNKED_FROM splits, per KV head's
-heads one split at a time below.
+tensor-core tile, an online softmax over the split's keys, and, with several splits, the merge of their partial (max,
+sum, output): a second kernel (per query head in chunks of splits from COMBINE_CHUNKED_FROM splits, per KV head's
+heads one split at a time below), or, up to MERGE_MAX_SPLITS splits (the paged kernel), the last split of each (row,
+KV head) to finish, in the same launch (an arrival counter; a decode step's 28 combine launches fewer at 7B).
 
     q, b, kvh, sp, m_i, l_i, acc = program_start(q_ptr, sqb, sqh, G, GP, D)   # in a kernel, before its key loop
     program_end(o_ptr, pm_ptr, pl_ptr, pacc_ptr, b, kvh, sp, m_i, l_i, acc, sob, soh, G, GP, D, SPLIT)
@@ -15,10 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.quant.kernels.device import auto_on_off
 from qerl.quant.kernels.triton_fp4 import grid_dependency, pdl_options
 
 COMBINE_CHUNK = 32  # splits per load in the combine: a (32, head_dim) fp32 tile, 32 registers a thread at 4 warps
 COMBINE_CHUNKED_FROM = 8  # splits from which the chunked combine (one program per query head) wins
+MERGE_MAX_SPLITS = 8  # up to here the decode kernel's last split merges (merge_in_kernel); beyond, a combine launch
+_COUNTERS: dict[str, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers: a captured graph may still address them
 
 
 @triton.jit
@@ -40,9 +45,11 @@ def program_start(q_ptr, sqb, sqh, G: tl.constexpr, GP: tl.constexpr, D: tl.cons
 
 @triton.jit
 def program_end(o_ptr, pm_ptr, pl_ptr, pacc_ptr, b, kvh, sp, m_i, l_i, acc, sob, soh,
-                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                cnt_ptr=None, MERGE: tl.constexpr = False):
     """One split: the output of its G heads. Several: the split's partial (max, sum, accumulator) for `combine`; an
-    empty split stores (-inf, 0, 0), which the combine weighs 0."""
+    empty split stores (-inf, 0, 0), which the combine weighs 0. MERGE: the last of the (row, KV head)'s splits to
+    store its partial (an arrival count in cnt_ptr, left at 0 for the next launch) merges them here instead."""
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     if SPLIT == 1:
@@ -51,10 +58,41 @@ def program_end(o_ptr, pm_ptr, pl_ptr, pacc_ptr, b, kvh, sp, m_i, l_i, acc, sob,
         tl.store(o_ptr + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=offs_g[:, None] < G)
     else:
-        row = (b * tl.num_programs(1) + kvh) * SPLIT + sp
+        slot = b * tl.num_programs(1) + kvh
+        row = slot * SPLIT + sp
         tl.store(pm_ptr + row * GP + offs_g, m_i)
         tl.store(pl_ptr + row * GP + offs_g, l_i)
         tl.store(pacc_ptr + (row * GP + offs_g[:, None]) * D + offs_d[None, :], acc)
+        if MERGE:
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            arrived = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                merge_heads(pm_ptr, pl_ptr, pacc_ptr, o_ptr, b, kvh, slot * SPLIT, sob, soh, G, GP, D, SPLIT)
+                tl.atomic_xchg(cnt_ptr + slot, 0, sem="relaxed", scope="gpu")  # re-arm for the next launch
+
+
+@triton.jit
+def merge_heads(pm_ptr, pl_ptr, pacc_ptr, o_ptr, b, kvh, base, sob, soh,
+                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    """out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m), for the G heads of one (row, KV head) whose
+    SPLIT partials start at row `base`, one split per load, in split order (.cg: partials other programs stored
+    in this launch are read from L2, not from a stale L1 line)."""
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    top = tl.full((GP,), float("-inf"), tl.float32)
+    for s in range(SPLIT):
+        top = tl.maximum(top, tl.load(pm_ptr + (base + s) * GP + offs_g, cache_modifier=".cg"))
+    num = tl.zeros((GP, D), tl.float32)
+    den = tl.zeros((GP,), tl.float32)
+    for s in range(SPLIT):
+        w = tl.exp(tl.load(pm_ptr + (base + s) * GP + offs_g, cache_modifier=".cg") - top)  # 0: kept nothing
+        den += w * tl.load(pl_ptr + (base + s) * GP + offs_g, cache_modifier=".cg")
+        num += w[:, None] * tl.load(pacc_ptr + ((base + s) * GP + offs_g[:, None]) * D + offs_d[None, :],
+                                    cache_modifier=".cg")
+    out = num / den[:, None]
+    heads = kvh * G + offs_g
+    tl.store(o_ptr + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=offs_g[:, None] < G)
 
 
 @triton.jit
@@ -101,22 +139,8 @@ def _combine_heads_kernel(pm_ptr, pl_ptr, pacc_ptr, o_ptr, sob, soh,
     grid_dependency(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
-    base = (b * tl.num_programs(1) + kvh) * SPLIT
-    top = tl.full((GP,), float("-inf"), tl.float32)
-    for s in range(SPLIT):
-        top = tl.maximum(top, tl.load(pm_ptr + (base + s) * GP + offs_g))
-    num = tl.zeros((GP, D), tl.float32)
-    den = tl.zeros((GP,), tl.float32)
-    for s in range(SPLIT):
-        w = tl.exp(tl.load(pm_ptr + (base + s) * GP + offs_g) - top)  # 0 for a split that kept nothing
-        den += w * tl.load(pl_ptr + (base + s) * GP + offs_g)
-        num += w[:, None] * tl.load(pacc_ptr + ((base + s) * GP + offs_g[:, None]) * D + offs_d[None, :])
-    out = num / den[:, None]
-    heads = kvh * G + offs_g
-    tl.store(o_ptr + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=offs_g[:, None] < G)
+    merge_heads(pm_ptr, pl_ptr, pacc_ptr, o_ptr, b, kvh, (b * tl.num_programs(1) + kvh) * SPLIT, sob, soh, G, GP, D,
+                SPLIT)
 
 
 def head_tile(heads: int, kv_heads: int) -> tuple[int, int]:
@@ -133,6 +157,24 @@ def partials(out: torch.Tensor, rows: int, kv_heads: int, split: int, gp: int, h
     pm = torch.empty(rows, kv_heads, split, gp, dtype=torch.float32, device=out.device)
     pacc = torch.empty(rows, kv_heads, split, gp, head_dim, dtype=torch.float32, device=out.device)
     return pm, torch.empty_like(pm), pacc
+
+
+def merge_in_kernel(split: int, environ=None) -> bool:
+    """Whether the decode kernel merges its `split` partials itself (QERL_ATTN_MERGE: auto (default) for 2 to
+    MERGE_MAX_SPLITS splits, 0: always the combine launch) - a launch less per attention call."""
+    return auto_on_off("QERL_ATTN_MERGE", environ) != "0" and 1 < split <= MERGE_MAX_SPLITS
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 arrival counts at 0 (every merging launch leaves them at 0), one buffer per device, kept for the
+    process: captured graphs hold its address (an outgrown one is kept too)."""
+    key = str(device)
+    held = _COUNTERS.get(key)
+    if held is None or held.numel() < n:
+        if held is not None:
+            _RETIRED.append(held)
+        held = _COUNTERS[key] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+    return held
 
 
 def launch_options(device: torch.device) -> dict:
