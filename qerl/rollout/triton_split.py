@@ -21,7 +21,11 @@ from qerl.quant.kernels.triton_fp4 import grid_dependency, pdl_options
 
 COMBINE_CHUNK = 32  # splits per load in the combine: a (32, head_dim) fp32 tile, 32 registers a thread at 4 warps
 COMBINE_CHUNKED_FROM = 8  # splits from which the chunked combine (one program per query head) wins
-MERGE_MAX_SPLITS = 8  # up to here the decode kernel's last split merges (merge_in_kernel); beyond, a combine launch
+# up to here the decode kernel's last split merges (merge_in_kernel); beyond, the combine launch, whose chunked loads
+# beat the merge's one load per split: H200, 7B FP4 decode step, 9 splits (1-8 rows of the qwen7b recipe's 4,608-key
+# table) 2.85 / 3.48 ms merged vs 2.81 / 3.40 ms; 5 / 3 / 2 splits (16 / 32 / 64 rows) 3.71 / 4.44 / 5.45 vs 3.79 /
+# 4.47 / 5.46
+MERGE_MAX_SPLITS = 8
 _COUNTERS: dict[str, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # outgrown counter buffers: a captured graph may still address them
 

@@ -122,8 +122,8 @@ def test_auto_uses_only_prebuilt_copies_and_the_engine_builds_them(monkeypatch):
 
 def test_background_compile_prefill_on_our_kernels_decode_steps_wait_for_humming(monkeypatch):
     """attach_humming_copies(background=True) returns before humming's kernels are compiled: a forward outside a
-    decode step takes our kernels meanwhile, one inside a decode step's warm-up waits and runs humming (bit for
-    bit what a synchronously attached copy gives); wait_pending leaves nothing compiling."""
+    decode step takes our kernels meanwhile, one inside a decode step's warm-up waits and runs humming (what a
+    synchronously attached copy gives); wait_pending leaves nothing compiling."""
     hf = _humming()
     import threading
 
@@ -158,7 +158,7 @@ def test_background_compile_prefill_on_our_kernels_decode_steps_wait_for_humming
     with decode_step_launches():
         decode = dispatch.run_fp4_matmul(x, *ops)
     assert kernels == ["triton", "humming"] and hf.copy_ready(layer.weight_packed) and not hf._PENDING
-    assert torch.equal(decode, want)
+    _close(decode, want)  # not bit for bit: two calls of the same copy differed by ~1e-3 relative (H200)
     _close(prefill, want)
     hf.clear()
 
