@@ -208,12 +208,15 @@ def _step(trainer, step: int, lengths: list[int], last: bool = False) -> dict:
         trainer.engine.release()
         sync()
     resident = resident - _allocated_gib() if last else 0.0
+    update_copies = metrics.get("update_dense_copies_gib") or 0.0  # qerl.update_copies: where memory allows
     mine = torch.tensor([[seconds, rollout_peak, pool, _peak_gib(reset=False), rollout_s, decode_steps,
-                          stats.get("step_s_decode_1_32", 0.0), longest, copies, resident]], dtype=torch.float64)
+                          stats.get("step_s_decode_1_32", 0.0), longest, copies, resident, update_copies]],
+                        dtype=torch.float64)
     ranks = trainer.ranks.all_gather(mine)
     per_rank = {key: [round(float(x), 2) for x in ranks[:, i]] for i, key in
                 enumerate(("step_s", "rollout_peak_gib", "kv_pool_gib", "update_peak_gib", "rollout_s",
-                           "decode_steps", "tail_s", "longest_row", "weight_copies_gib", "engine_resident_gib"))}
+                           "decode_steps", "tail_s", "longest_row", "weight_copies_gib", "engine_resident_gib",
+                           "update_copies_gib"))}
     tail = tail_fields({k: per_rank.pop(k) for k in ("rollout_s", "decode_steps", "tail_s", "longest_row")})
     return {"step_s": max(per_rank.pop("step_s")), "rollout_s": batch.metrics["timing/rollout"],  # slowest rank's
             "update_s": metrics["timing/update"], "generated_tokens": int(batch.metrics["rollout_tokens"]),

@@ -79,12 +79,14 @@ def memory_estimate(size: str, mode: str, train, ranks: int) -> dict:
 
 def memory_fields(estimate: dict, result: dict) -> dict:
     """Estimated vs measured GiB per GPU and their ratios measured / estimated (the fullest rank). The estimate
-    leaves the paged engine the memory that is free: measured are the update's peak without what the engine kept
-    through it (a resident pool, weight copies, graphs) and the rollout's peak without its KV pool and the weight
-    copies it takes where memory allows (qerl.quant.dense_copies, humming_copies)."""
+    leaves what is free to what takes it where memory allows: measured are the update's peak without what the engine
+    kept through it (a resident pool, weight copies, graphs) and without the update's own dense copies of an FP4
+    base (qerl.update_copies), and the rollout's peak without its KV pool and the weight copies it takes
+    (qerl.quant.dense_copies, humming_copies)."""
     resident = result.get("engine_resident_gib") or [0.0] * len(result["update_peak_gib"])
+    own = result.get("update_copies_gib") or [0.0] * len(result["update_peak_gib"])
     copies = result.get("weight_copies_gib") or [0.0] * len(result["rollout_peak_gib"])
-    measured = {"update": max(u - r for u, r in zip(result["update_peak_gib"], resident)),
+    measured = {"update": max(u - r - c for u, r, c in zip(result["update_peak_gib"], resident, own)),
                 "rollout": max(a - k - c for a, k, c in zip(result["rollout_peak_gib"], result["kv_pool_gib"], copies)),
                 "update_with_engine": max(result["update_peak_gib"]),
                 "rollout_with_pool": max(result["rollout_peak_gib"])}
@@ -123,8 +125,9 @@ def table(results: list[dict]) -> str:
         ratio = m["ratio"]
         lines.append(f"  peak GiB per GPU, rollout (KV pool) / update: {peaks}; engine kept through the update "
                      f"{_ranks(r.get('engine_resident_gib', []), '.1f')}, weight copies "
-                     f"{_ranks(r.get('weight_copies_gib', []), '.1f')}; measured / estimated: update without the "
-                     f"engine x{ratio['update'] or 0:.2f}, rollout without pool and copies "
+                     f"{_ranks(r.get('weight_copies_gib', []), '.1f')}, the update's dense copies "
+                     f"{_ranks(r.get('update_copies_gib', []), '.1f')}; measured / estimated: update without the "
+                     f"engine and its copies x{ratio['update'] or 0:.2f}, rollout without pool and copies "
                      f"x{ratio['rollout'] or 0:.2f}")
     lines += speedup_lines(results)
     return "\n".join(lines)

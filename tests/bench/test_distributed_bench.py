@@ -142,8 +142,9 @@ def test_a_timed_out_case_is_killed_with_its_workers_and_names_its_last_phase(tm
 
 
 def test_measured_memory_leaves_out_what_the_engine_keeps():
-    """The estimate leaves the paged engine what is free: the update is compared without the engine's resident
-    bytes, the rollout without its KV pool and its opportunistic weight copies (hand-built figures)."""
+    """The estimate leaves what is free to what takes it: the update is compared without the engine's resident
+    bytes and the update's own dense copies, the rollout without its KV pool and its opportunistic weight copies
+    (hand-built figures)."""
     from bench.distributed_report import memory_fields
 
     result = {"update_peak_gib": [62.7, 60.0], "engine_resident_gib": [47.0, 40.0], "rollout_peak_gib": [55.8, 50.0],
@@ -151,3 +152,7 @@ def test_measured_memory_leaves_out_what_the_engine_keeps():
     got = memory_fields({"update": 16.0, "rollout": 10.0}, result)
     assert got["measured"]["update"] == pytest.approx(20.0) and got["measured"]["update_with_engine"] == 62.7
     assert got["measured"]["rollout"] == pytest.approx(8.3) and got["ratio"]["update"] == pytest.approx(1.25)
+    got = memory_fields({"update": 16.0, "rollout": 10.0}, dict(result, update_copies_gib=[12.2, 0.0]))
+    assert got["measured"]["update"] == pytest.approx(20.0)  # rank 1 (no copies) is now the fullest
+    got = memory_fields({"update": 16.0, "rollout": 10.0}, dict(result, update_copies_gib=[12.2, 12.2]))
+    assert got["measured"]["update"] == pytest.approx(7.8) and got["measured"]["update_with_engine"] == 62.7
