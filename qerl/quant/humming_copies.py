@@ -10,9 +10,6 @@ here, once per rollout, beside the dense copies (qerl.quant.dense_copies), never
 """
 from __future__ import annotations
 
-import time
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 from torch import nn
 
@@ -58,53 +55,22 @@ def attach_humming_copies(model: nn.Module, groups=(), dtype: torch.dtype = torc
     return sum(hw.nbytes() for hw in build_copies(ops, dtype, rows, background))
 
 
-def _shape_key(op) -> tuple:
-    """What humming compiles a layer's kernels for: the stacked shape, its segments and scale layout."""
-    wp, ws, gs, segs = op
-    return tuple(wp.shape), tuple(ws.shape), gs.numel(), segs
-
-
-def _build_in_thread(op, stream, dtype: torch.dtype, rows):
-    """humming_weight in a worker thread, on the weight's device and `stream`, the caller's current stream there (a
-    new thread starts on device 0 and its default stream: rank 1's copies would land on the wrong GPU's context or
-    race the caller's stream)."""
-    if stream is None:
-        return humming_fp4.humming_weight(*op, dtype, rows)
-    with torch.cuda.device(op[0].device), torch.cuda.stream(stream):
-        return humming_fp4.humming_weight(*op, dtype, rows)
-
-
 def build_copies(ops, dtype: torch.dtype, rows, background: bool = False) -> list:
-    """humming_fp4.humming_weight of each (weight_packed, weight_scale, weight_global_scale, segments), in order.
-    The first weight without a copy of each distinct shape is built in its own thread, so humming's nvcc runs for
-    all shapes at once (a 7B: 4 shapes x 6 kernels, ~27 s one shape after another on a cold cache); the rest find
-    its kernels. With `background`, every copy is repacked here and kernels not compiled before in this process
-    compile on a background thread (humming_fp4.compile_in_background): a first rollout's prefill and the
-    torch.compile of its decode step run meanwhile (a cold 7B: ~12 s of nvcc beside ~24 s of torch.compile)."""
-    if background:
-        made = [humming_fp4.humming_weight(*op, dtype, rows, defer=True) for op in ops]
-        fresh = [c for c in made if c.tuning is None and c.ready is None]
-        for c in fresh:
-            if c.compiled_before():  # a memo lookup: no thread, so later rollouts never skip a copy
-                c.tuning = c.prepare()
-        humming_fp4.compile_in_background([c for c in fresh if c.tuning is None])
-        return made
-    first: dict = {}
-    for i, op in enumerate(ops):
-        if not humming_fp4.has_copy(op[0]):  # held copies (a resident engine's next rollout) need no thread
-            first.setdefault(_shape_key(op), i)
-    leads = list(first.values())
-    built = {}
-    if len(leads) > 1:
-        spent, start = humming_fp4.PREPARE["seconds"], time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(leads)) as pool:
-            streams = {i: torch.cuda.current_stream(ops[i][0].device) if ops[i][0].is_cuda else None for i in leads}
-            futures = {i: pool.submit(_build_in_thread, ops[i], streams[i], dtype, rows) for i in leads}
-            built = {i: f.result() for i, f in futures.items()}
-        # each thread added its own compile time: count the wall clock the user waited instead
-        added = humming_fp4.PREPARE["seconds"] - spent
-        humming_fp4.PREPARE["seconds"] = spent + min(added, time.perf_counter() - start)
-    return [built[i] if i in built else humming_fp4.humming_weight(*op, dtype, rows) for i, op in enumerate(ops)]
+    """humming_fp4.humming_weight of each (weight_packed, weight_scale, weight_global_scale, segments), in order,
+    repacked here. Kernels this process has not compiled yet compile on another thread, one worker per distinct
+    layer config, so humming's nvcc runs for all shapes at once (a 7B: 4 shapes x 6 kernels, ~27 s one shape after
+    another on a cold cache; humming_fp4.compile_in_background); the caller waits for them, or with `background`
+    goes on: a first rollout's prefill and the torch.compile of its decode step run meanwhile (a cold 7B: ~12 s of
+    nvcc beside ~24 s of torch.compile)."""
+    made = [humming_fp4.humming_weight(*op, dtype, rows, defer=True) for op in ops]
+    fresh = [c for c in made if c.tuning is None and c.ready is None]
+    for c in fresh:
+        if c.compiled_before():  # a memo lookup: no thread, so later rollouts never skip a copy
+            c.tuning = c.prepare()
+    humming_fp4.compile_in_background([c for c in fresh if c.tuning is None])
+    if not background:
+        humming_fp4.wait_pending()
+    return made
 
 
 def detach_humming_copies(model: nn.Module, groups=()) -> None:

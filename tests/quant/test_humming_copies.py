@@ -70,10 +70,11 @@ def test_copies_are_tracked_by_identity_dropped_one_by_one_and_forgotten_with_th
     assert not hf.has_copy(b) and hf.copies_nbytes() == 0 and not hf._live
 
 
-def test_one_weight_of_each_shape_is_built_at_once_then_the_rest_in_order(monkeypatch):
-    """build_copies: the first weight of each distinct shape in its own thread (humming compiles per shape), all
-    of them running together; the others after, one each, in the operands' order; humming's compile seconds
-    count the wall clock, not the sum over threads."""
+def test_one_compile_per_shape_all_at_once_and_the_caller_waits_for_them(monkeypatch):
+    """build_copies: every copy made once, in the operands' order; each distinct layer config compiles once, all of
+    them at the same time on other threads (humming compiles per shape); without `background` the caller returns
+    only once all are compiled, and humming's compile seconds count the wall clock it waited, not the sum over
+    threads."""
     import threading
     import time
 
@@ -83,27 +84,29 @@ def test_one_weight_of_each_shape_is_built_at_once_then_the_rest_in_order(monkey
     model = _model()
     groups = group_projections(model, kinds=("fp4",))
     ops = _operands(model, groups)
-    distinct = {humming_copies._shape_key(op) for op in ops}
+    distinct = {tuple(op[0].shape) + op[3] for op in ops}
     assert len(distinct) == 4 and len(ops) == 8  # two layers of the same four shapes
-    lock, calls = threading.Lock(), []
-    everyone_in = threading.Barrier(len(distinct), timeout=10)  # raises unless all leads run at the same time
+    everyone_in = threading.Barrier(len(distinct), timeout=10)  # raises unless all compiles run at the same time
+    calls, log = [], []
 
-    def fake(wp, ws, gs, segs, dtype, rows):
-        with lock:
-            calls.append((id(wp), threading.get_ident()))
-            lead = len(calls) <= len(distinct)
-        if lead:
+    class Compiling(_FakeCopy):
+        def prepare(self, background=False):
             everyone_in.wait()
             time.sleep(0.05)
-            humming_fp4.PREPARE["seconds"] += 0.05  # as each thread's _prepare would
-        return ("copy", id(wp), dtype, rows)
+            return super().prepare(background)
 
+    def fake(wp, ws, gs, segs, dtype, rows, defer=False):
+        assert defer and dtype == torch.bfloat16 and rows == (24, 32)
+        calls.append(id(wp))
+        return Compiling(tuple(wp.shape) + segs, log=log)
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(humming_fp4, "humming_weight", fake)
     monkeypatch.setitem(humming_fp4.PREPARE, "seconds", 0.0)
     out = humming_copies.build_copies(ops, torch.bfloat16, (24, 32))
-    assert out == [("copy", id(op[0]), torch.bfloat16, (24, 32)) for op in ops]  # every weight once, in order
-    assert sorted(c[0] for c in calls) == sorted(id(op[0]) for op in ops)
-    assert len({t for _, t in calls[:4]}) == 4  # the leads: one thread each
+    assert calls == [id(op[0]) for op in ops]  # every weight once, in order
+    assert sorted(key for key, _ in log) == sorted(distinct)  # one compile per shape
+    assert all(c.tuning == f"table-{c.key}" for c in out) and not humming_fp4._PENDING  # all done on return
     assert 0.05 <= humming_fp4.PREPARE["seconds"] < 4 * 0.05  # wall clock, under the threads' sum
 
 
@@ -128,7 +131,7 @@ def test_the_copy_key_follows_in_place_writes_and_takes_inference_tensors():
 
 def test_weights_that_hold_a_copy_are_not_sent_to_threads(monkeypatch):
     """A resident engine's next rollout: every weight already holds its copy, so build_copies asks for each in the
-    caller's thread (humming_weight returns the held copy, or refreshes a stale one in place)."""
+    caller's thread (humming_weight returns the held copy, or refreshes a stale one in place) and compiles nothing."""
     import threading
 
     from qerl.quant import humming_copies
@@ -136,12 +139,19 @@ def test_weights_that_hold_a_copy_are_not_sent_to_threads(monkeypatch):
 
     model = _model()
     ops = _operands(model, group_projections(model, kinds=("fp4",)))
-    threads = []
+    threads, sent = [], []
+
+    def held(wp, *a, **k):
+        threads.append(threading.get_ident())
+        copy = _FakeCopy(id(wp))
+        copy.tuning = "table"  # a held copy's kernels were compiled when it was built
+        return copy
+
     monkeypatch.setattr(humming_fp4, "has_copy", lambda wp: True)
-    monkeypatch.setattr(humming_fp4, "humming_weight",
-                        lambda wp, *a: threads.append(threading.get_ident()) or id(wp))
-    assert humming_copies.build_copies(ops, torch.bfloat16, None) == [id(op[0]) for op in ops]
-    assert threads == [threading.get_ident()] * len(ops)
+    monkeypatch.setattr(humming_fp4, "humming_weight", held)
+    monkeypatch.setattr(humming_fp4, "compile_in_background", lambda copies: sent.extend(copies))
+    assert [c.key for c in humming_copies.build_copies(ops, torch.bfloat16, None)] == [id(op[0]) for op in ops]
+    assert threads == [threading.get_ident()] * len(ops) and not sent
 
 
 class _FakeCopy:
