@@ -113,12 +113,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     precision = "ieee" if k_cache.dtype == torch.float32 else None  # fp32 caches: no TF32 rounding
     pdl = launch_options(q.device)
     kn, vn = new_kv if new_kv is not None else (q, q)  # unread without WRITE
-    merge = merge_in_kernel(split)
-    cnt = arrival_counters(q.device, b * kv) if merge else pm  # unread without MERGE
     if new_kv is not None and (kn.shape != (b, kv, d) or vn.shape != (b, kv, d) or kn.dtype != k_cache.dtype
                                or vn.dtype != v_cache.dtype or kn.stride(-1) != 1 or vn.stride(-1) != 1):
         raise ValueError(f"paged_decode: new_kv must be two ({b}, {kv}, {d}) {k_cache.dtype} tensors with unit last "
                          f"stride, got {tuple(kn.shape)} {kn.dtype} / {tuple(vn.shape)} {vn.dtype}")
+    merge = merge_in_kernel(split)
+    cnt = arrival_counters(q.device, b * kv) if merge else pm  # unread without MERGE
     _paged_decode_kernel[(b, kv, split)](
         q, k_cache, v_cache, block_table, context_lens, out, pm, pl, pacc, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
