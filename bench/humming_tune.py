@@ -73,7 +73,7 @@ def heuristic_config(weight, m: int) -> dict:
     from qerl.quant.kernels import humming_fp4
 
     intervals = humming_fp4._humming()["heuristics"](weight.config, device=torch.device("cuda"))
-    return dict(next((c for lo, hi, c in intervals if lo < m <= hi), intervals[-1][2]))
+    return dict(humming_fp4.config_at(intervals, m))
 
 
 def variants(cfg: dict) -> dict[str, dict]:

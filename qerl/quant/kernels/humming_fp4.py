@@ -55,6 +55,11 @@ def _humming():
                 heuristics=get_heuristics_config)
 
 
+def config_at(intervals: list, m: int):
+    """The config humming's per-M table ([m_lo, m_hi, config]) gives M rows: its interval's, the last beyond it."""
+    return next((c for lo, hi, c in intervals if lo < m <= hi), intervals[-1][2])
+
+
 def tuning_intervals(intervals: list, points: tuple[int, ...] | None) -> list:
     """humming's per-M kernel table ([m_lo, m_hi, config]: m_lo < M <= m_hi; its heuristics change the config
     every 8-64 rows up to 8192, 92 kernels per layer shape, ~18 s of nvcc per shape on a cold cache) reduced to
@@ -63,13 +68,9 @@ def tuning_intervals(intervals: list, points: tuple[int, ...] | None) -> list:
     whole table."""
     if not points:
         return [list(i) for i in intervals]
-
-    def config_at(m):
-        return next((c for lo, hi, c in intervals if lo < m <= hi), intervals[-1][2])
-
     table, lo = [], 0
     for m in sorted(set(points)):
-        cfg = config_at(m)
+        cfg = config_at(intervals, m)
         if table and table[-1][2] == cfg:
             table[-1][1] = m
         else:
