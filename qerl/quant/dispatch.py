@@ -64,9 +64,9 @@ def fp4_humming_mode(environ=None) -> str:
 
 
 def check_kernel_environment(environ=None) -> None:
-    """The kernel switches (QERL_FP4_CUDA, QERL_FP4_HUMMING, QERL_PDL, QERL_LORA_OVERLAP) read at every launch,
-    checked once before a stage starts: a bad value is one line naming the variable, not a traceback."""
-    for name in ("QERL_FP4_CUDA", "QERL_FP4_HUMMING", "QERL_PDL", "QERL_LORA_OVERLAP"):
+    """The kernel switches (QERL_FP4_CUDA, QERL_FP4_HUMMING, QERL_PDL, QERL_LORA_OVERLAP, QERL_ATTN_MERGE) read at
+    every launch, checked once before a stage starts: a bad value is one line naming the variable, not a traceback."""
+    for name in ("QERL_FP4_CUDA", "QERL_FP4_HUMMING", "QERL_PDL", "QERL_LORA_OVERLAP", "QERL_ATTN_MERGE"):
         try:
             auto_on_off(name, environ)
         except ValueError as err:

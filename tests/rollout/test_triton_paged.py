@@ -127,6 +127,17 @@ def test_interpreted_kernel_merges_its_splits_as_the_combine_does():
         assert vs_combine == 0 if split < COMBINE_CHUNKED_FROM else vs_combine < 1e-6
 
 
+def test_the_merge_switch_is_checked_with_the_other_kernel_switches():
+    """QERL_ATTN_MERGE is read at every attention launch; a bad value ends a stage in one line before it starts."""
+    from qerl.errors import QerlError
+    from qerl.quant.dispatch import check_kernel_environment
+    from qerl.rollout.triton_split import merge_in_kernel
+
+    assert merge_in_kernel(2, {}) and not merge_in_kernel(2, {"QERL_ATTN_MERGE": "0"}) and not merge_in_kernel(1, {})
+    with pytest.raises(QerlError, match="QERL_ATTN_MERGE"):
+        check_kernel_environment({"QERL_ATTN_MERGE": "sometimes"})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [2, 5, 8])
 def test_gpu_merged_splits_equal_the_combine_and_replay_from_a_graph(split, monkeypatch):
