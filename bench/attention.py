@@ -7,8 +7,10 @@ layer of Qwen2.5 7B shapes (28 query / 4 KV heads of 128), over a static cache o
 --paged: the paged decode kernel (`qerl.rollout.triton_paged`) with the split the engine's captured steps use, its
 block table as wide as the qwen7b recipe's rows (4,368 keys), rows of 900-3,300 filled keys, at 1-128 rows: the
 decode kernel and the combine of its splits, one call per layer. --splits 1,2,4 also times those split counts
-(one split: no combine) and --short-rows adds rows of 260-400 keys, a rollout's first steps after a 256-token prompt:
-the engine's split rule looks at the block table's width, not the lengths, so a short row splits as a long one.
+(one split: no combine); --keys long,mid,short picks the rows' lengths (900-3,300, 300-1,600: the 16-prompt
+rollout's, 260-400: its first steps after a 256-token prompt): the engine's split rule looks at the block table's
+width, not the lengths, so a short row splits as a long one. --configs 128x4x2,... also times the kernel with other
+(key positions per tile, warps, pipeline stages), at every split count timed.
 
 Floor = the filled part of K and V (both paths must read it) over the measured copy bandwidth. Both paths run
 eagerly here; inside TorchEngine the matmul path is torch.compile'd (fused), which is why the engine only takes
@@ -68,13 +70,25 @@ PAGED_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 PAGED_WIDTH = 273  # blocks of 16: 4,368 keys, a 256-token prompt + 4,096 completion tokens + a spare block
 
 
-def run_paged(splits=(), short=False) -> dict:
+KEY_KINDS = {  # rows' filled keys: a rollout's late steps, its middle (the 16-prompt rollout's 300-1,600), its start
+    "long": lambda i: 900 + (37 * i) % 3300,
+    "mid": lambda i: 300 + (37 * i) % 1301,
+    "short": lambda i: 260 + (37 * i) % 141,
+}
+
+
+def _configs(text: str) -> list[tuple[int, int, int]]:
+    """'64x4x3,128x8x2' -> [(64, 4, 3), (128, 8, 2)]: key positions per tile, warps, pipeline stages."""
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item.strip()]
+
+
+def run_paged(splits=(), kinds=("long",), configs=()) -> dict:
     from bench.random_models import paged_attention_case
     from qerl.rollout import triton_paged
 
     result = {**_environment(), "ceilings": measure_ceilings(), "rows": []}
-    kinds = [("long", lambda i: 900 + (37 * i) % 3300)] + ([("short", lambda i: 260 + (37 * i) % 141)] if short else [])
-    for kind, length in kinds:
+    for kind in kinds:
+        length = KEY_KINDS[kind]
         for rows in PAGED_ROWS:
             lengths = [length(i) for i in range(rows)]
             copies = 4
@@ -89,19 +103,24 @@ def run_paged(splits=(), short=False) -> dict:
             others = {}
             for n in splits:
                 if n != split:
-                    others[n] = graph_time_us(lambda i, n=n: triton_paged.paged_decode(*cases[i], 128 ** -0.5,
-                                                                                       split=n), copies)
+                    others[str(n)] = graph_time_us(lambda i, n=n: triton_paged.paged_decode(*cases[i], 128 ** -0.5,
+                                                                                            split=n), copies)
+            for cfg in configs:  # each tile config at the default split and at the other split counts
+                for n in [split, *[n for n in splits if n != split]]:
+                    others[f"{n}@{'x'.join(map(str, cfg))}"] = graph_time_us(
+                        lambda i, n=n, cfg=cfg: triton_paged.paged_decode(*cases[i], 128 ** -0.5, split=n,
+                                                                          config=cfg), copies)
             floor = 2 * sum(lengths) * 4 * 128 * 2 / (result["ceilings"]["copy_GBps"] * 1e3)
+            best = min([("default", us), *others.items()], key=lambda kv: kv[1])
             result["rows"].append({"keys": kind, "rows": rows, "split": split, "us": us, "floor_us": floor,
-                                   "mean_keys": sum(lengths) / rows, "other_splits_us": others})
+                                   "mean_keys": sum(lengths) / rows, "other_splits_us": others, "best": best})
             tried = "".join(f", split {n} {t:.1f} us" for n, t in others.items())
             print(f"paged, {kind} rows ({sum(lengths) / rows:.0f} keys), rows {rows}, split {split}: {us:.1f} us"
                   f"{tried}, floor {floor:.1f} us", flush=True)
-    lines = ["| keys | rows | splits | us per layer | other split counts, us | floor us (filled K+V) |",
+    lines = ["| keys | rows | splits | us per layer | fastest other (split@tile x warps x stages), us | floor us |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['keys']} ({r['mean_keys']:.0f}) | {r['rows']} | {r['split']} | {r['us']:.1f} | "
-              + (", ".join(f"{n}: {t:.1f}" for n, t in r["other_splits_us"].items()) or "-")
-              + f" | {r['floor_us']:.1f} |" for r in result["rows"]]
+              f"{r['best'][0]}: {r['best'][1]:.1f} | {r['floor_us']:.1f} |" for r in result["rows"]]
     result["markdown"] = "\n".join(lines)
     print(result["markdown"])
     return result
@@ -112,12 +131,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("results/bench/attention.json"))
     p.add_argument("--paged", action="store_true", help="the paged engine's kernel at 1-128 rows instead")
     p.add_argument("--splits", default="", help="--paged: also these split counts, e.g. 1,2,4")
-    p.add_argument("--short-rows", action="store_true", help="--paged: also rows of 260-400 keys")
+    p.add_argument("--short-rows", action="store_true", help="--paged: also rows of 260-400 keys (= --keys long,short)")
+    p.add_argument("--keys", default="long", help=f"--paged: row lengths, of {','.join(KEY_KINDS)}")
+    p.add_argument("--configs", default="", help="--paged: also these kernel configs, tile keys x warps x stages, "
+                   "e.g. 128x4x2,64x8x3, each at every split count timed")
     a = p.parse_args(argv)
+    kinds = [k.strip() for k in a.keys.split(",") if k.strip()] + (["short"] if a.short_rows else [])
+    bad = [k for k in kinds if k not in KEY_KINDS]
+    if bad:
+        raise SystemExit(f"bench.attention: --keys: unknown {bad}, expected some of {list(KEY_KINDS)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention needs a CUDA GPU")
     splits = tuple(int(n) for n in a.splits.split(",") if n.strip())
-    result = run_paged(splits, a.short_rows) if a.paged else run()
+    result = run_paged(splits, tuple(dict.fromkeys(kinds)), _configs(a.configs)) if a.paged else run()
     write_json(a.out, result)
     print(f"wrote {a.out}")
 

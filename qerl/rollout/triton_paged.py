@@ -26,6 +26,10 @@ BLOCK_L = 64  # key positions per tile
 # 4,368-key table's 66 / 33 / 17 splits lost to 8 (H200, 7B heads, per layer: 10.5 -> 8.4 us at 1 row of 900 keys,
 # 9.6 -> 5.8 us at 260 keys; `bench.attention --paged --splits`); wider tables keep >= 512 keys of width a split
 SPLIT_CAP, SPLIT_KEYS = 8, 512
+# below the cap, splits enough for 3 programs per SM: 2 left 16 / 32 rows at 5 / 3 splits, 8 / 4 were faster (H200,
+# 7B heads, us per layer, rows of 1,178 / 1,474 keys: 22.0 -> 18.6, 40.4 -> 36.1; of 578 / 874: 15.6 -> 14.5,
+# 30.3 -> 26.1); 64 rows flat from 2 to 8 splits, 128 rows keep 1 (4 lost 35% on short rows)
+PROGRAMS_PER_SM = 3
 
 
 @triton.jit
@@ -85,24 +89,27 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def default_split(rows: int, kv_heads: int, max_keys: int, device: torch.device) -> int:
-    """Enough splits that rows x KV heads x splits fill the GPU twice over, never more than the widest row's tiles
-    nor than max(SPLIT_CAP, max_keys // SPLIT_KEYS). It depends only on shapes (the block table's width, not the
-    lengths), so a captured step keeps it."""
+    """Enough splits that rows x KV heads x splits make PROGRAMS_PER_SM programs per SM, never more than the widest
+    row's tiles nor than max(SPLIT_CAP, max_keys // SPLIT_KEYS). It depends only on shapes (the block table's
+    width, not the lengths), so a captured step keeps it."""
     tiles = max(1, triton.cdiv(max_keys, BLOCK_L))
     cap = max(SPLIT_CAP, max_keys // SPLIT_KEYS)
-    return max(1, min(tiles, cap, triton.cdiv(target_programs(device), rows * kv_heads)))
+    programs = target_programs(device) * PROGRAMS_PER_SM // 2  # target_programs: two per SM
+    return max(1, min(tiles, cap, triton.cdiv(programs, rows * kv_heads)))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, split: int | None = None,
-                 new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """q (B, H, D) one query token per row (any strides with unit last stride); k_cache/v_cache
     (num_blocks, block_size, Hkv, D); block_table (B, W) int32; context_lens (B,) int32, each >= 1 (keys of the
     row, the current token's included) -> (B, H, D) in q's dtype. Query head h uses KV head h // (H / Hkv).
 
     new_kv: this step's (key, value), each (B, Hkv, D) in the caches' dtype (unit last stride): written into the
     pool at each row's position context_lens - 1 (its slot through the block table) by the same launch, which
-    attends over them as if they had been written first (the separate write was two index_copy launches a layer)."""
+    attends over them as if they had been written first (the separate write was two index_copy launches a layer).
+    config: (key positions per tile, warps, pipeline stages), default (BLOCK_L, 4, 3) (benchmarks try others)."""
     b, h, d = q.shape
     block_size, kv = k_cache.shape[1], k_cache.shape[2]
     g, gp = head_tile(h, kv)
@@ -117,6 +124,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                or vn.dtype != v_cache.dtype or kn.stride(-1) != 1 or vn.stride(-1) != 1):
         raise ValueError(f"paged_decode: new_kv must be two ({b}, {kv}, {d}) {k_cache.dtype} tensors with unit last "
                          f"stride, got {tuple(kn.shape)} {kn.dtype} / {tuple(vn.shape)} {vn.dtype}")
+    block_l, warps, stages = config or (BLOCK_L, 4, 3)
     merge = merge_in_kernel(split)
     cnt = arrival_counters(q.device, b * kv) if merge else pm  # unread without MERGE
     _paged_decode_kernel[(b, kv, split)](
@@ -124,8 +132,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0),
         out.stride(1), kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cnt,
-        G=g, GP=gp, D=d, BS=block_size, BL=BLOCK_L, SPLIT=split, PRECISION=precision, WRITE=new_kv is not None,
-        MERGE=merge, num_warps=4, num_stages=3, **pdl)
+        G=g, GP=gp, D=d, BS=block_size, BL=block_l, SPLIT=split, PRECISION=precision, WRITE=new_kv is not None,
+        MERGE=merge, num_warps=warps, num_stages=stages, **pdl)
     if not merge:
         combine(pm, pl, pacc, out, out.stride(0), out.stride(1), g, gp, d, split, pdl)
     return out

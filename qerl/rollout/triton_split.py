@@ -165,8 +165,10 @@ def partials(out: torch.Tensor, rows: int, kv_heads: int, split: int, gp: int, h
 
 def merge_in_kernel(split: int, environ=None) -> bool:
     """Whether the decode kernel merges its `split` partials itself (QERL_ATTN_MERGE: auto (default) for 2 to
-    MERGE_MAX_SPLITS splits, 0: always the combine launch) - a launch less per attention call."""
-    return auto_on_off("QERL_ATTN_MERGE", environ) != "0" and 1 < split <= MERGE_MAX_SPLITS
+    MERGE_MAX_SPLITS splits, 1: from 2 splits at any count, 0: always the combine launch) - a launch less per
+    attention call."""
+    how = auto_on_off("QERL_ATTN_MERGE", environ)
+    return split > 1 and (how == "1" or (how == "auto" and split <= MERGE_MAX_SPLITS))
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:

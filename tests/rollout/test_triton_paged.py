@@ -98,17 +98,18 @@ INTERPRETED_MERGE = """
     from qerl.rollout import triton_split
     from qerl.rollout.triton_paged import paged_decode
     out = []
-    for split in (2, 3, 8):  # the decode kernel merges (8: where the combine launch takes chunks of splits)
-        q, k, v, table, lens = random_case(3, 4, 2, 16, 16, [70, 1, 129], torch.float32, "cpu")
+    for split in (2, 3, 8, 12):  # 8: where the combine launch takes chunks of splits; 12: merged only under "1"
+        q, k, v, table, lens = random_case(4, 4, 2, 16, 16, [70, 1, 129, 200], torch.float32, "cpu")
         os.environ["QERL_ATTN_MERGE"] = "0"
         combined = paged_decode(q, k, v, table, lens, 0.25, split=split)
-        os.environ["QERL_ATTN_MERGE"] = "auto"
+        os.environ["QERL_ATTN_MERGE"] = "1"
         merged = [paged_decode(q, k, v, table, lens, 0.25, split=split) for _ in range(2)]  # re-armed counters
         exact = float64_attention(q, k, v, table, lens, 0.25)
         counts = triton_split._COUNTERS[str(q.device)]
         out.append([split] + [float((m.double() - exact).abs().max()) for m in merged]
                    + [float((merged[0] - combined).abs().max()), int(counts.abs().sum()),
-                      triton_split.merge_in_kernel(split), triton_split.merge_in_kernel(split + 16)])
+                      triton_split.merge_in_kernel(split, {}),
+                      triton_split.merge_in_kernel(split, {"QERL_ATTN_MERGE": "1"})])
     print(json.dumps(out))
 """
 
@@ -116,14 +117,15 @@ INTERPRETED_MERGE = """
 def test_interpreted_kernel_merges_its_splits_as_the_combine_does():
     """MERGE: the last split of each (row, KV head) merges the partials in the decode launch - below
     COMBINE_CHUNKED_FROM splits the combine launch's result exactly (same order), always float64's to rounding,
-    twice in a row (every counter left at 0); beyond MERGE_MAX_SPLITS (and with QERL_ATTN_MERGE=0) the combine
-    launch stays."""
-    from qerl.rollout.triton_split import COMBINE_CHUNKED_FROM
+    twice in a row (every counter left at 0); by default only up to MERGE_MAX_SPLITS splits (beyond them, and with
+    QERL_ATTN_MERGE=0, the combine launch), at any count with QERL_ATTN_MERGE=1."""
+    from qerl.rollout.triton_split import COMBINE_CHUNKED_FROM, MERGE_MAX_SPLITS
 
-    results = run_interpreted(INTERPRETED_MERGE, timeout=120)
-    assert len(results) == 3
-    for split, err1, err2, vs_combine, counters, merges, merges_more in results:
-        assert err1 < 1e-5 and err2 < 1e-5 and counters == 0 and merges and not merges_more
+    results = run_interpreted(INTERPRETED_MERGE, timeout=180)
+    assert len(results) == 4
+    for split, err1, err2, vs_combine, counters, merges_by_default, merges_on in results:
+        assert err1 < 1e-5 and err2 < 1e-5 and counters == 0 and merges_on
+        assert merges_by_default == (split <= MERGE_MAX_SPLITS)
         assert vs_combine == 0 if split < COMBINE_CHUNKED_FROM else vs_combine < 1e-6
 
 
@@ -134,12 +136,14 @@ def test_the_merge_switch_is_checked_with_the_other_kernel_switches():
     from qerl.rollout.triton_split import merge_in_kernel
 
     assert merge_in_kernel(2, {}) and not merge_in_kernel(2, {"QERL_ATTN_MERGE": "0"}) and not merge_in_kernel(1, {})
+    assert not merge_in_kernel(64, {}) and merge_in_kernel(64, {"QERL_ATTN_MERGE": "1"})
+    assert not merge_in_kernel(1, {"QERL_ATTN_MERGE": "1"})
     with pytest.raises(QerlError, match="QERL_ATTN_MERGE"):
         check_kernel_environment({"QERL_ATTN_MERGE": "sometimes"})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [2, 5, 8])
+@pytest.mark.parametrize("split", [2, 5, 8, 16])
 def test_gpu_merged_splits_equal_the_combine_and_replay_from_a_graph(split, monkeypatch):
     """bf16, 7B heads: the in-kernel merge gives the combine launch's output (bit for bit below
     COMBINE_CHUNKED_FROM splits, where both add the splits in order; within a bf16 rounding from there, where the
@@ -150,11 +154,12 @@ def test_gpu_merged_splits_equal_the_combine_and_replay_from_a_graph(split, monk
 
     q, k, v, table, lens = random_case(6, 28, 4, 128, 16, [1, 17, 300, 1000, 4608, 65], torch.bfloat16, "cuda")
     scale = 128 ** -0.5
+    monkeypatch.setenv("QERL_ATTN_MERGE", "1")  # merged at every split count
 
     def combined():
         monkeypatch.setenv("QERL_ATTN_MERGE", "0")
         want = paged_decode(q, k, v, table, lens, scale, split=split)
-        monkeypatch.setenv("QERL_ATTN_MERGE", "auto")
+        monkeypatch.setenv("QERL_ATTN_MERGE", "1")
         return want
 
     def check(got, want):
@@ -233,14 +238,14 @@ def test_gpu_kernel_float32_is_exact_and_pads_read_the_null_block():
 
 
 def test_default_split_fills_the_gpu_within_its_caps(monkeypatch):
-    """Splits fill 2 programs per SM (132 SMs here), never more than the table's tiles, nor than 8 on a table up to
+    """Splits make 3 programs per SM (132 SMs here), never more than the table's tiles, nor than 8 on a table up to
     4,096 keys wide, nor than one per 512 keys of a wider one; it reads shapes only (a captured step keeps it)."""
     from qerl.rollout import triton_paged
 
     monkeypatch.setattr(triton_paged, "target_programs", lambda device: 264)
     split = functools.partial(triton_paged.default_split, device=torch.device("cpu"))
-    assert [split(rows, 4, 4368) for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256)] == [8, 8, 8, 8, 5, 3, 2, 1, 1]
-    assert split(1, 4, 16384) == 32 and split(1, 8, 16384) == 32 and split(2, 8, 65536) == 17
+    assert [split(rows, 4, 4368) for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256)] == [8, 8, 8, 8, 7, 4, 2, 1, 1]
+    assert split(1, 4, 16384) == 32 and split(1, 8, 16384) == 32 and split(2, 8, 65536) == 25
     assert split(1, 4, 100) == 2  # two 64-key tiles
     assert split(1, 4, 16) == 1
     for rows in (1, 3, 7, 40, 300):
@@ -248,4 +253,4 @@ def test_default_split_fills_the_gpu_within_its_caps(monkeypatch):
             n = split(rows, 4, width)
             assert 1 <= n <= max(1, -(-width // triton_paged.BLOCK_L))
             assert n <= max(triton_paged.SPLIT_CAP, width // triton_paged.SPLIT_KEYS)
-            assert n == 1 or rows * 4 * (n - 1) < 264  # one split fewer would not fill the GPU
+            assert n == 1 or rows * 4 * (n - 1) < 396  # one split fewer would not fill the GPU
