@@ -115,6 +115,18 @@ def test_picked_config_is_the_model_minimum_and_gives_every_warp_work(n, k, clus
     assert cuda_fp4.model_time(n, k, cluster, warps, 132, _occupancy(warps)) == best
 
 
+def test_model_scales_its_bandwidth_bound_step_with_the_device():
+    """A faster memory makes a bandwidth-bound step cheaper: 0.08 on the H100 it was fitted on, less in proportion
+    on a faster device; and the H200's own measurements pick 10 warps for o (3,584 x 3,584), not the H100's 7."""
+    assert cuda_fp4.step_over_latency(None) == 0.08
+    assert cuda_fp4.step_over_latency(cuda_fp4.FIT_BANDWIDTH) == pytest.approx(0.08)
+    assert cuda_fp4.step_over_latency(2 * cuda_fp4.FIT_BANDWIDTH) == pytest.approx(0.04)
+    h200 = 2 * 3.201e9 * 6144 / 8  # memory clock 3,201 MHz, 6,144-bit bus
+    assert cuda_fp4.pick_config(3584, 3584, 132, _occupancy, True) == (1, 7)
+    assert cuda_fp4.pick_config(3584, 3584, 132, _occupancy, True, bandwidth=h200) == (1, 10)
+    assert cuda_fp4.pick_config(37888, 3584, 132, _occupancy, True, bandwidth=h200) == (1, 4)  # measured best too
+
+
 def test_model_prefers_splitting_k_when_rows_are_few():
     # down (N 3584, K 18944): 224 row blocks on 132 SMs: one warp per block would leave most SMs a single warp
     few = cuda_fp4.model_time(3584, 18944, 1, 1, 132, _occupancy(1))

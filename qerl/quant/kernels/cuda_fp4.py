@@ -133,10 +133,30 @@ def candidate_configs(k: int, clusters: bool) -> list[tuple[int, int]]:
     return wide or [max(ok, key=lambda c: (c[1], -c[0]))]
 
 
-def pick_config(n: int, k: int, sms: int, occupancy, clusters: bool) -> tuple[int, int]:
-    """The (cluster, warps) of least `model_time`; occupancy(warps) = resident CTAs per SM."""
+FIT_BANDWIDTH = 3.35e12  # bytes/s of the H100 SXM that model_time's step_over_latency (0.08) was fitted on
+
+
+def step_over_latency(bandwidth: float | None) -> float:
+    """model_time's bandwidth-bound step cost on a device of `bandwidth` bytes/s: a step moves the same bytes, so it
+    scales as 1 / bandwidth (H200, 4.9 TB/s: 0.055; 0.08 there picked 7 warps for o (3,584 x 3,584), 6.3 us at 1
+    row, against 10 warps' 4.8 us; the layer's four picks 191.5 -> 187.3 us over 1 / 4 / 8 rows, the best 186.0:
+    `bench.wired --warps`). Unknown bandwidth: the fitted 0.08."""
+    return 0.08 if not bandwidth else 0.08 * FIT_BANDWIDTH / bandwidth
+
+
+def memory_bandwidth(device_index: int) -> float | None:
+    """Peak DRAM bytes/s from the device's memory clock and bus width (double data rate), None if not reported."""
+    props = torch.cuda.get_device_properties(device_index)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+
+
+def pick_config(n: int, k: int, sms: int, occupancy, clusters: bool, bandwidth: float | None = None) -> tuple[int, int]:
+    """The (cluster, warps) of least `model_time` on a device of `bandwidth` bytes/s (None: the fitted H100's);
+    occupancy(warps) = resident CTAs per SM."""
+    sol = step_over_latency(bandwidth)
     return min(candidate_configs(k, clusters),
-               key=lambda c: (model_time(n, k, c[0], c[1], sms, max(1, occupancy(c[1]))), c[0], c[1]))
+               key=lambda c: (model_time(n, k, c[0], c[1], sms, max(1, occupancy(c[1])), sol), c[0], c[1]))
 
 
 def _n_tiles(m: int) -> int:
@@ -153,7 +173,8 @@ def _config(device_index: int, m_tiles: int, n: int, k: int) -> tuple[int, int]:
     major, _ = torch.cuda.get_device_capability(device_index)
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     name = kernel_name(m_tiles, 1)
-    return pick_config(n, k, sms, lambda w: _occupancy(device_index, name, w), clusters=major >= 9)
+    return pick_config(n, k, sms, lambda w: _occupancy(device_index, name, w), clusters=major >= 9,
+                       bandwidth=memory_bandwidth(device_index))
 
 
 _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
