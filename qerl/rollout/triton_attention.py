@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from qerl.quant.kernels.tiling import target_programs
-from qerl.quant.kernels.triton_fp4 import grid_dependency
-from qerl.rollout.triton_split import combine, head_tile, launch_options, partials, program_end, program_start
+from qerl.quant.kernels.triton_fp4 import grid_dependency, pdl_options
+from qerl.rollout.triton_split import combine, head_tile, partials, program_end, program_start
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def gqa_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     out = torch.empty(b, 1, h, d, dtype=query.dtype, device=query.device)
     pm, pl, pacc = partials(out, b, kv, split, gp, d)
     keep = keep.view(torch.uint8) if keep.dtype == torch.bool else keep
-    pdl = launch_options(query.device)  # programmatic dependent launch (QERL_PDL)
+    pdl = pdl_options(query.device)  # programmatic dependent launch (QERL_PDL)
     _gqa_decode_kernel[(b, kv, split)](
         query, key, value, keep, out, pm, pl, pacc, length, float(scale),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),

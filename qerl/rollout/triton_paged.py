@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from qerl.quant.kernels.tiling import target_programs
-from qerl.quant.kernels.triton_fp4 import grid_dependency
-from qerl.rollout.triton_split import (arrival_counters, combine, head_tile, launch_options, merge_in_kernel, partials,
+from qerl.quant.kernels.triton_fp4 import grid_dependency, pdl_options
+from qerl.rollout.triton_split import (arrival_counters, combine, head_tile, merge_in_kernel, partials,
                                        program_end, program_start)
 
 BLOCK_L = 64  # key positions per tile
@@ -118,7 +118,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     pm, pl, pacc = partials(out, b, kv, split, gp, d)
     precision = "ieee" if k_cache.dtype == torch.float32 else None  # fp32 caches: no TF32 rounding
-    pdl = launch_options(q.device)
+    pdl = pdl_options(q.device)
     kn, vn = new_kv if new_kv is not None else (q, q)  # unread without WRITE
     if new_kv is not None and (kn.shape != (b, kv, d) or vn.shape != (b, kv, d) or kn.dtype != k_cache.dtype
                                or vn.dtype != v_cache.dtype or kn.stride(-1) != 1 or vn.stride(-1) != 1):

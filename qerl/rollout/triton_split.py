@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from qerl.quant.kernels.device import auto_on_off
-from qerl.quant.kernels.triton_fp4 import grid_dependency, pdl_options
+from qerl.quant.kernels.triton_fp4 import grid_dependency, last_arrival, rearm
+from qerl.quant.kernels.workspace import scratch
 
 COMBINE_CHUNK = 32  # splits per load in the combine: a (32, head_dim) fp32 tile, 32 registers a thread at 4 warps
 COMBINE_CHUNKED_FROM = 8  # splits from which the chunked combine (one program per query head) wins
@@ -26,8 +27,7 @@ COMBINE_CHUNKED_FROM = 8  # splits from which the chunked combine (one program p
 # table) 2.85 / 3.48 ms merged vs 2.81 / 3.40 ms; 5 / 3 / 2 splits (16 / 32 / 64 rows) 3.71 / 4.44 / 5.45 vs 3.79 /
 # 4.47 / 5.46
 MERGE_MAX_SPLITS = 8
-_COUNTERS: dict[str, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers: a captured graph may still address them
+ARRIVALS = "attention.arrivals"  # the merge's counters (kernels.workspace)
 
 
 @triton.jit
@@ -68,11 +68,9 @@ def program_end(o_ptr, pm_ptr, pl_ptr, pacc_ptr, b, kvh, sp, m_i, l_i, acc, sob,
         tl.store(pl_ptr + row * GP + offs_g, l_i)
         tl.store(pacc_ptr + (row * GP + offs_g[:, None]) * D + offs_d[None, :], acc)
         if MERGE:
-            tl.debug_barrier()  # every thread's partial is written before the release below
-            arrived = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
+            if last_arrival(cnt_ptr, slot, SPLIT):
                 merge_heads(pm_ptr, pl_ptr, pacc_ptr, o_ptr, b, kvh, slot * SPLIT, sob, soh, G, GP, D, SPLIT)
-                tl.atomic_xchg(cnt_ptr + slot, 0, sem="relaxed", scope="gpu")  # re-arm for the next launch
+                rearm(cnt_ptr, slot)
 
 
 @triton.jit
@@ -172,20 +170,9 @@ def merge_in_kernel(split: int, environ=None) -> bool:
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 arrival counts at 0 (every merging launch leaves them at 0), one buffer per device, kept for the
-    process: captured graphs hold its address (an outgrown one is kept too)."""
-    key = str(device)
-    held = _COUNTERS.get(key)
-    if held is None or held.numel() < n:
-        if held is not None:
-            _RETIRED.append(held)
-        held = _COUNTERS[key] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-    return held
-
-
-def launch_options(device: torch.device) -> dict:
-    """Programmatic dependent launch where it applies (QERL_PDL; CUDA only: Triton's CPU interpreter has none)."""
-    return pdl_options(device) if device.type == "cuda" else {}
+    """n int32 arrival counts at 0 (every merging launch leaves them at 0), per (device, stream), kept for graphs
+    captured over them (kernels.workspace)."""
+    return scratch(ARRIVALS, device, n, torch.int32, zeroed=True)
 
 
 def combine(pm, pl, pacc, out: torch.Tensor, sob: int, soh: int, g: int, gp: int, head_dim: int, split: int,

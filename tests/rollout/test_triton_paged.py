@@ -95,6 +95,7 @@ def test_interpreted_kernel_writes_the_steps_kv_and_attends_over_it():
 INTERPRETED_MERGE = """
     import os
     from tests.rollout.test_triton_paged import float64_attention, random_case
+    from qerl.quant.kernels import workspace
     from qerl.rollout import triton_split
     from qerl.rollout.triton_paged import paged_decode
     out = []
@@ -105,7 +106,7 @@ INTERPRETED_MERGE = """
         os.environ["QERL_ATTN_MERGE"] = "1"
         merged = [paged_decode(q, k, v, table, lens, 0.25, split=split) for _ in range(2)]  # re-armed counters
         exact = float64_attention(q, k, v, table, lens, 0.25)
-        counts = triton_split._COUNTERS[str(q.device)]
+        counts = workspace.held(triton_split.ARRIVALS, q.device)
         out.append([split] + [float((m.double() - exact).abs().max()) for m in merged]
                    + [float((merged[0] - combined).abs().max()), int(counts.abs().sum()),
                       triton_split.merge_in_kernel(split, {}),

@@ -40,6 +40,7 @@ import torch
 from qerl.quant.kernels import _e2m1
 from qerl.quant.kernels.cuda_build import CudaModule, compile_cubin
 from qerl.quant.kernels.device import device_index, use_pdl
+from qerl.quant.kernels.workspace import scratch
 
 CHUNK = 128  # weights per row per chunk
 MAX_ROWS = 16  # the kernels' limit (two 8-row MMA tiles)
@@ -177,22 +178,15 @@ def _config(device_index: int, m_tiles: int, n: int, k: int) -> tuple[int, int]:
                        bandwidth=memory_bandwidth(device_index))
 
 
-_WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 MAX_A_SPLITS = 32
 
 
 def _workspace(device: torch.device, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 partials of x @ A.T, two int32 flags left at zero by every launch) per (device, stream). Warm a
-    shape up before CUDA-graph capture so no allocation is captured."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(),
-           torch.cuda.current_stream(device).cuda_stream)
-    xw, flags = _WORKSPACES.get(key, (None, None))
-    if xw is None or xw.numel() < floats:
-        xw = torch.empty(max(floats, 1 << 14), dtype=torch.float32, device=device)
-    if flags is None:
-        flags = torch.zeros(2, dtype=torch.int32, device=device)
-    _WORKSPACES[key] = (xw, flags)
-    return xw, flags
+    """(fp32 partials of x @ A.T, two int32 flags left at zero by every launch) per (device, stream), kept for
+    graphs captured over them (kernels.workspace). Warm a shape up before CUDA-graph capture so no allocation is
+    captured."""
+    return (scratch("cuda_fp4.xa_partials", device, floats, torch.float32),
+            scratch("cuda_fp4.flags", device, 2, torch.int32, zeroed=True, minimum=2))
 
 
 def a_splits(k: int, cluster: int, warps: int) -> int:

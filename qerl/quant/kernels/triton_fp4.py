@@ -38,6 +38,7 @@ from qerl.quant.kernels.tiling import KernelConfig, backward_config, forward_con
 from qerl.quant.kernels.tiling import k_block as _k_block
 from qerl.quant.kernels.tiling import no_empty_splits as _no_empty_splits
 from qerl.quant.kernels.tiling import small_split as _small_split
+from qerl.quant.kernels.workspace import scratch
 
 # The E2M1 -> bf16 decode (inline PTX, explained in kernels/_e2m1.py): one call turns 4 packed bytes into the 4
 # registers of bf16 pairs that the tensor-core operand holds, times the group scale, as e2m1 * scale / DEQ_GAIN.
@@ -181,6 +182,20 @@ def _epilogue(acc, b_ptr, xa_ptr, lb_ptr, offs_m, offs_n, M, N, R, sxa, slb, lor
 
 
 @triton.jit
+def last_arrival(cnt_ptr, index, count: tl.constexpr):
+    """Whether this program is the last of `count` to arrive at counter `index`; what every program stored before
+    arriving is visible to that last one (a barrier, so all its threads have stored, then an acq_rel add). The last
+    one calls `rearm` when done, so the counter is 0 for the next launch (no memset, CUDA-graph safe)."""
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr + index, 1, sem="acq_rel", scope="gpu") == count - 1
+
+
+@triton.jit
+def rearm(cnt_ptr, index):
+    tl.atomic_xchg(cnt_ptr + index, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M, N, som, son,
                  xa_ptr, lb_ptr, R, sxa, slb, lora_scale,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -197,16 +212,14 @@ def _finish_tile(acc, out_ptr, b_ptr, part_ptr, cnt_ptr, tile, offs_m, offs_n, M
         tile_off = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
         base = part_ptr + tile.to(tl.int64) * (SPLIT * BM * BN)
         tl.store(base + tl.program_id(1) * (BM * BN) + tile_off, acc, cache_modifier=".cg")
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
+        if last_arrival(cnt_ptr, tile, SPLIT):
             total = tl.zeros((BM, BN), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
                 total += tl.load(base + s * (BM * BN) + tile_off, cache_modifier=".cg")
             total = _epilogue(total, b_ptr, xa_ptr, lb_ptr, offs_m, offs_n, M, N, R, sxa, slb, lora_scale,
                               HAS_BIAS, HAS_LORA, RP)
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # re-arm for the next launch
+            rearm(cnt_ptr, tile)
 
 
 @triton.jit
@@ -310,24 +323,11 @@ def _small_mm_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, sxm, sxk
                  out_ptr, out_ptr, 0, 0, 0, 0.0, False, SPLIT, BM, BN, False, 16)
 
 
-_WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def _workspace(device: torch.device, part_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K partials (fp32) and per-tile arrival counters (left at zero by every launch: no memset), one set
-    per (device, stream). Warm a shape up before CUDA-graph capture so no allocation is captured."""
-    if device.type == "cuda":
-        key = (device.index if device.index is not None else torch.cuda.current_device(),
-               torch.cuda.current_stream(device).cuda_stream)
-    else:  # Triton's CPU interpreter (TRITON_INTERPRET=1), used to check the kernels without a GPU
-        key = (-1, 0)
-    part, cnt = _WORKSPACES.get(key, (None, None))
-    if part is None or part.numel() < part_elems:
-        part = torch.empty(max(part_elems, 1 << 16), dtype=torch.float32, device=device)
-    if cnt is None or cnt.numel() < tiles:
-        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    _WORKSPACES[key] = (part, cnt)
-    return part, cnt
+    """Split-K partials (fp32) and per-tile arrival counters (left at zero by every launch: no memset), per (device,
+    stream), kept for graphs captured over them (kernels.workspace)."""
+    return (scratch("triton_fp4.part", device, part_elems, torch.float32, minimum=1 << 16),
+            scratch("triton_fp4.arrivals", device, tiles, torch.int32, zeroed=True, minimum=4096))
 
 
 def small_matmul(x2: torch.Tensor, w: torch.Tensor, split: int | None = None,
@@ -359,9 +359,9 @@ LORA_OVERLAP = True
 
 def pdl_options(device: torch.device, wait_late: bool = False) -> dict:
     """Launch options of the decode kernels: programmatic dependent launch where kernels.device.use_pdl says
-    (QERL_PDL; by default on sm_90+ during CUDA-graph capture); wait_late: the FP4 kernel's WAIT_LATE."""
-    pdl = use_pdl(device_index(device))
-    if not pdl:
+    (QERL_PDL; by default on sm_90+ during CUDA-graph capture); wait_late: the FP4 kernel's WAIT_LATE. None off
+    CUDA (Triton's CPU interpreter)."""
+    if device.type != "cuda" or not use_pdl(device_index(device)):
         return {}
     return {"PDL": True, "launch_pdl": True, **({"WAIT_LATE": True} if wait_late else {})}
 
