@@ -30,7 +30,7 @@ from qerl.quant.reference import reference_fp4_lora_matmul, reference_fp4_matmul
 __all__ = ["AUTO_ROWS", "DENSE_MIN_ROWS", "HUMMING_MAX_ROWS", "HUMMING_MIN_ROWS", "HUMMING_TABLE_ROWS", "KERNELS",
            "SMALL_MM_MAX_ROWS", "TMA_DENSE_MIN_ROWS", "check_kernel_environment", "choose_kernel", "fp4_cuda_mode",
            "fp4_humming_mode", "fp4_lora_matmul", "fp4_matmul", "fp4_matmul_t", "lora_expand", "pdl_mode",
-           "run_fp4_matmul", "run_fp4_matmul_t", "run_lora_expand", "shrink_beside", "small_matmul"]
+           "run_fp4_matmul", "run_fp4_matmul_t", "run_lora_expand", "shrink_around", "small_matmul"]
 
 AUTO_ROWS = 8  # QERL_FP4_CUDA=auto: at 9-16 rows the two-tile CUDA kernel lost to Triton (BENCHMARKS.md)
 DENSE_MIN_ROWS = 128  # grad_input, and forward before sm_90: from here dequantize + cuBLAS beats the fused kernels
@@ -64,13 +64,15 @@ def fp4_humming_mode(environ=None) -> str:
 
 
 def check_kernel_environment(environ=None) -> None:
-    """The kernel switches (QERL_FP4_CUDA, QERL_FP4_HUMMING, QERL_PDL, QERL_LORA_OVERLAP, QERL_ATTN_MERGE) read at
-    every launch, checked once before a stage starts: a bad value is one line naming the variable, not a traceback."""
-    for name in ("QERL_FP4_CUDA", "QERL_FP4_HUMMING", "QERL_PDL", "QERL_LORA_OVERLAP", "QERL_ATTN_MERGE"):
-        try:
+    """The kernel switches (QERL_FP4_CUDA, QERL_FP4_HUMMING, QERL_PDL, QERL_LORA_OVERLAP, QERL_ATTN_MERGE,
+    QERL_LORA_SIDE) read at every launch, checked once before a stage starts: a bad value is one line naming the
+    variable, not a traceback."""
+    try:
+        for name in ("QERL_FP4_CUDA", "QERL_FP4_HUMMING", "QERL_PDL", "QERL_LORA_OVERLAP", "QERL_ATTN_MERGE"):
             auto_on_off(name, environ)
-        except ValueError as err:
-            raise QerlError(str(err)) from None
+        side_stream.side_mode(environ)
+    except ValueError as err:
+        raise QerlError(str(err)) from None
 
 
 def _fact(value) -> bool:
@@ -249,15 +251,17 @@ def _launch_forward(kernel, p: _Prepared, weight_packed, weight_scale, weight_gl
     if kernel == "humming":
         if a is not None and lora_b_diag is not None:
             _check_block_diagonal(lora_b_diag, b, p.x2, n_segments)
-        xa, join = (None, side_stream.in_line) if a is None else shrink_beside(p.x2, a)
-        try:
+
+        def gemm():
             humming_fp4.fp4_matmul_humming(p.x2, weight_packed, weight_scale, weight_global_scale,
                                            [p.n1, p.n2 - p.n1, p.n - p.n2][:n_segments], p.out)
-        finally:  # xa's memory goes back to the current stream only once the side stream is done with it
-            join()
-        if a is not None:  # bias and every segment's B product in one pass over the output
+
+        if a is not None:  # x @ A.T beside the GEMM, then bias and every segment's B product in one pass
+            xa = shrink_around(p.x2, a, gemm)[1]
             run_lora_expand(p.out, xa, b, lora_scale, p.n1, p.n2, bias, lora_b_diag, out=p.out)
-        elif bias is not None:
+            return
+        gemm()
+        if bias is not None:
             p.out.add_(bias.to(p.out.dtype))
         return
     if kernel == "cuda":  # x @ A.T inside the same launch, up to the kernel's MAX_FUSED_RANK
@@ -339,9 +343,9 @@ def _small_matmul_eager(x2: torch.Tensor, w: torch.Tensor, out: torch.Tensor | N
     return x2 @ w.T if out is None else torch.matmul(x2, w.T, out=out)
 
 
-def shrink_beside(x2: torch.Tensor, w: torch.Tensor):
-    """x2 @ w.T (LoRA's x @ A.T) started beside the caller's next launch (qerl.quant.side_stream): (xa, join)."""
-    return side_stream.beside(lambda out: _small_matmul_eager(x2, w, out), (x2.shape[0], w.shape[0]), x2)
+def shrink_around(x2: torch.Tensor, w: torch.Tensor, gemm):
+    """x2 @ w.T (LoRA's x @ A.T) beside gemm() (qerl.quant.side_stream.around): (gemm's result, xa)."""
+    return side_stream.around(gemm, lambda out: _small_matmul_eager(x2, w, out), (x2.shape[0], w.shape[0]), x2)
 
 
 @torch.library.custom_op("qerl::fp4_matmul", mutates_args=())

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl.quant.dispatch import fp4_lora_matmul, run_lora_expand, shrink_beside
+from qerl.quant.dispatch import fp4_lora_matmul, run_lora_expand, shrink_around
 from qerl.quant.operands import stack_bounds
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))
@@ -56,11 +56,7 @@ def _dense_lora_op(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                    lora_b_diag: torch.Tensor | None) -> torch.Tensor:
     """x2 @ weight.T (+ bias) + scale * per-segment (x2 @ A.T) @ B.T, inference only: x @ A.T on the side stream
     while cuBLAS runs the GEMM (qerl.quant.side_stream), then one lora_expand pass over the output."""
-    xa, join = shrink_beside(x2, lora_a)
-    try:
-        out = F.linear(x2, weight, bias)
-    finally:  # xa's memory goes back to the current stream only once the side stream is done with it
-        join()
+    out, xa = shrink_around(x2, lora_a, lambda: F.linear(x2, weight, bias))
     return run_lora_expand(out, xa, lora_b, scale, n1, n2, None, lora_b_diag, out=out)
 
 

@@ -1,10 +1,8 @@
 """LoRA's x @ A.T beside the base GEMM: launched on a second CUDA stream, so that it runs while the base matmul
 (humming's W4A16 GEMM, cuBLAS over a dense copy or a bf16 weight) streams its weights, instead of before it.
 
-    xa, join = beside(lambda out: torch.matmul(x2, lora_a.T, out=out), (m, r), x2)   # dispatch.shrink_beside
-    base = gemm(x2)          # on the current stream, concurrently with x @ A.T
-    join()                   # the current stream waits for xa
-    out = lora_expand(base, xa, ...)
+    base, xa = around(lambda: gemm(x2), lambda out: torch.matmul(x2, lora_a.T, out=out), (m, r), x2)
+    out = lora_expand(base, xa, ...)          # dispatch.shrink_around; the current stream has waited for xa
 
 x @ A.T reads only x, which both already have; the base GEMM takes 11-50 us per 7B projection at 17-128 rows and
 x @ A.T ~6 us (H200), which in one stream added ~0.7 ms to every decode step (112 launches). Inside a CUDA-graph
@@ -12,10 +10,14 @@ capture the fork and join become the graph's edges (two branches, no host work a
 the current stream before the fork, so its memory follows that stream (and the graph's pool) as any output does;
 the side stream is one per device, made at the first call (a rollout's eager warm-up, before any capture).
 QERL_LORA_OVERLAP: "auto" (default) or "1" run it beside on CUDA; "0" runs it in line (A/B measurements).
+QERL_LORA_SIDE: which of the two is launched first, "first" (default: x @ A.T, then the GEMM) or "after" (the
+GEMM's CTAs dispatched first), and "high": x @ A.T first on a high-priority stream (its CTAs ahead of the GEMM's
+waiting ones).
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -27,30 +29,44 @@ def overlap_mode(environ=None) -> str:
     return auto_on_off("QERL_LORA_OVERLAP", environ)
 
 
+SIDE_MODES = ("first", "after", "high")
+
+
+def side_mode(environ=None) -> str:
+    """QERL_LORA_SIDE: one of SIDE_MODES ("first" unset); anything else is a ValueError naming it."""
+    value = (os.environ if environ is None else environ).get("QERL_LORA_SIDE", "first").strip().lower()
+    if value not in SIDE_MODES:
+        raise ValueError(f"QERL_LORA_SIDE: expected one of {', '.join(SIDE_MODES)}, got {value!r}")
+    return value
+
+
 @functools.cache
-def _stream(index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=index)
+def _stream(index: int, high: bool = False) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index, priority=-1 if high else 0)  # lower is higher priority
 
 
-def in_line() -> None:
-    """The join of a computation that ran in line: nothing to wait for."""
-
-
-def beside(compute, shape: tuple[int, int], like: torch.Tensor):
-    """Run compute(out) (writing out, a new `shape` tensor of like's dtype and device) on the device's side stream
-    after everything queued so far on the current one; returns (out, join). Call join() before the current stream
-    reads out. Off CUDA, or with QERL_LORA_OVERLAP=0, compute runs in line and join does nothing."""
+def around(gemm, compute, shape: tuple[int, int], like: torch.Tensor):
+    """gemm() on the current stream and compute(out) (writing out, a new `shape` tensor of like's dtype and device)
+    beside it on the device's side stream, both after everything queued so far; returns (gemm's result, out) with
+    the current stream waiting for the side stream. Off CUDA, or with QERL_LORA_OVERLAP=0: compute, then gemm, in
+    line."""
     out = torch.empty(shape, dtype=like.dtype, device=like.device)
     if not like.is_cuda or overlap_mode() == "0":
         compute(out)
-        return out, in_line
+        return gemm(), out
+    mode = side_mode()
     current = torch.cuda.current_stream(like.device)
-    side = _stream(device_index(like.device))
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        compute(out)
-
-    def join() -> None:
+    side = _stream(device_index(like.device), mode == "high")
+    side.wait_stream(current)  # before the GEMM is queued: the side stream never waits for it
+    try:
+        if mode == "after":
+            result = gemm()
+            with torch.cuda.stream(side):
+                compute(out)
+        else:
+            with torch.cuda.stream(side):
+                compute(out)
+            result = gemm()
+    finally:  # out's memory goes back to the current stream only once the side stream is done with it
         current.wait_stream(side)
-
-    return out, join
+    return result, out
