@@ -4,6 +4,7 @@ kernels inside the graph by kind, and the floor (weights + live KV over the meas
     python -m bench.decode_step --experiment qwen7b --modes fp4,bf16 --rows 1,16,32,64,128,256 \
         --out results/bench/decode_step.json
     python -m bench.decode_step --modes fp4 --rows 32,64 --variants 'base;QERL_LORA_OVERLAP=0'   # A/B, one call
+    python -m bench.decode_step --lora-rank 0    # no adapters: what the step would cost if LoRA were free
 
 For each mode (the trainer's random model: FP4 or bf16 + LoRA r of the recipe) and each row count R, R prompts of
 --prompt-len tokens decode --tokens tokens each (no row ends early: every decode step has R rows) through the
@@ -65,6 +66,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=12, help="kernels listed per (mode, rows)")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="LoRA rank of the model (default: the recipe's; 0: no adapters, the ceiling of LoRA fusion)")
     p.add_argument("--variants", default="",
                    help="A/B in one call: ';'-separated settings, each 'base' or NAME=VALUE[,NAME=VALUE] environment "
                         "variables set while every mode runs again (e.g. 'base;QERL_LORA_OVERLAP=0')")
@@ -160,7 +163,14 @@ def run_mode(args, mode: str, train_cfg, size: str, bandwidth: float) -> list[di
 
     shared = Path(os.environ.get("QERL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
     tok = AutoTokenizer.from_pretrained(shared / "tokenizers" / "qwen2.5")
-    model = build_lora_model(size, mode, train_cfg.lora.lora_r, args.seed, "cuda")
+    rank = train_cfg.lora.lora_r if args.lora_rank is None else args.lora_rank
+    if rank > 0:
+        model = build_lora_model(size, mode, rank, args.seed, "cuda")
+    else:  # the base alone, as the engine runs a merged checkpoint
+        from bench.random_models import build_random_model, qwen25_config
+
+        model = build_random_model(qwen25_config(size), fp4=mode == "fp4", device="cuda", dtype=torch.bfloat16,
+                                   seed=args.seed)
     options = dict(engine_options(train_cfg.model_copy(update={"rollout": train_cfg.rollout.model_copy(
         update={"engine": "paged", "compile": "auto" if args.compile == "auto" else False})})))
     engine = ForcedLengthEngine(model, tok, eos_token_ids=(), **options)
@@ -250,6 +260,7 @@ def main(argv=None) -> None:
             gc.collect()
             torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), experiment=args.experiment, size=size, compile=args.compile,
+                  lora_rank=args.lora_rank,
                   copy_GBps=bandwidth / 1e9, prompt_len=args.prompt_len, tokens=args.tokens,
                   variants=[name for name, _ in variants], rows=rows)
     table = markdown(result)

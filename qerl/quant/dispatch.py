@@ -64,15 +64,13 @@ def fp4_humming_mode(environ=None) -> str:
 
 
 def check_kernel_environment(environ=None) -> None:
-    """The kernel switches (QERL_FP4_CUDA, QERL_FP4_HUMMING, QERL_PDL, QERL_LORA_OVERLAP, QERL_ATTN_MERGE,
-    QERL_LORA_SIDE) read at every launch, checked once before a stage starts: a bad value is one line naming the
-    variable, not a traceback."""
-    try:
-        for name in ("QERL_FP4_CUDA", "QERL_FP4_HUMMING", "QERL_PDL", "QERL_LORA_OVERLAP", "QERL_ATTN_MERGE"):
+    """The kernel switches (QERL_FP4_CUDA, QERL_FP4_HUMMING, QERL_PDL, QERL_LORA_OVERLAP, QERL_ATTN_MERGE) read at
+    every launch, checked once before a stage starts: a bad value is one line naming the variable, not a traceback."""
+    for name in ("QERL_FP4_CUDA", "QERL_FP4_HUMMING", "QERL_PDL", "QERL_LORA_OVERLAP", "QERL_ATTN_MERGE"):
+        try:
             auto_on_off(name, environ)
-        side_stream.side_mode(environ)
-    except ValueError as err:
-        raise QerlError(str(err)) from None
+        except ValueError as err:
+            raise QerlError(str(err)) from None
 
 
 def _fact(value) -> bool:

@@ -10,14 +10,12 @@ capture the fork and join become the graph's edges (two branches, no host work a
 the current stream before the fork, so its memory follows that stream (and the graph's pool) as any output does;
 the side stream is one per device, made at the first call (a rollout's eager warm-up, before any capture).
 QERL_LORA_OVERLAP: "auto" (default) or "1" run it beside on CUDA; "0" runs it in line (A/B measurements).
-QERL_LORA_SIDE: which of the two is launched first, "first" (default: x @ A.T, then the GEMM) or "after" (the
-GEMM's CTAs dispatched first), and "high": x @ A.T first on a high-priority stream (its CTAs ahead of the GEMM's
-waiting ones).
+x @ A.T is launched first; the GEMM launched first, or x @ A.T on a high-priority stream, made no difference (H200,
+7B FP4 decode step at 1-128 rows, graph ms within 0.05: BENCHMARKS.md).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -29,20 +27,9 @@ def overlap_mode(environ=None) -> str:
     return auto_on_off("QERL_LORA_OVERLAP", environ)
 
 
-SIDE_MODES = ("first", "after", "high")
-
-
-def side_mode(environ=None) -> str:
-    """QERL_LORA_SIDE: one of SIDE_MODES ("first" unset); anything else is a ValueError naming it."""
-    value = (os.environ if environ is None else environ).get("QERL_LORA_SIDE", "first").strip().lower()
-    if value not in SIDE_MODES:
-        raise ValueError(f"QERL_LORA_SIDE: expected one of {', '.join(SIDE_MODES)}, got {value!r}")
-    return value
-
-
 @functools.cache
-def _stream(index: int, high: bool = False) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=index, priority=-1 if high else 0)  # lower is higher priority
+def _stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
 
 
 def around(gemm, compute, shape: tuple[int, int], like: torch.Tensor):
@@ -54,19 +41,13 @@ def around(gemm, compute, shape: tuple[int, int], like: torch.Tensor):
     if not like.is_cuda or overlap_mode() == "0":
         compute(out)
         return gemm(), out
-    mode = side_mode()
     current = torch.cuda.current_stream(like.device)
-    side = _stream(device_index(like.device), mode == "high")
-    side.wait_stream(current)  # before the GEMM is queued: the side stream never waits for it
+    side = _stream(device_index(like.device))
+    side.wait_stream(current)
     try:
-        if mode == "after":
-            result = gemm()
-            with torch.cuda.stream(side):
-                compute(out)
-        else:
-            with torch.cuda.stream(side):
-                compute(out)
-            result = gemm()
+        with torch.cuda.stream(side):
+            compute(out)
+        result = gemm()
     finally:  # out's memory goes back to the current stream only once the side stream is done with it
         current.wait_stream(side)
     return result, out

@@ -11,14 +11,11 @@ from qerl.quant.dispatch import check_kernel_environment, run_fp4_matmul
 from qerl.quant.grouped import _dense_lora_op, block_diagonal
 
 
-def test_the_switches_are_checked_with_the_other_kernel_switches():
+def test_the_switch_is_checked_with_the_other_kernel_switches():
     assert side_stream.overlap_mode({}) == "auto"
     assert side_stream.overlap_mode({"QERL_LORA_OVERLAP": "0"}) == "0"
     with pytest.raises(QerlError, match="QERL_LORA_OVERLAP"):
         check_kernel_environment({"QERL_LORA_OVERLAP": "sometimes"})
-    assert side_stream.side_mode({}) == "first" and side_stream.side_mode({"QERL_LORA_SIDE": " After"}) == "after"
-    with pytest.raises(QerlError, match="QERL_LORA_SIDE"):
-        check_kernel_environment({"QERL_LORA_SIDE": "1"})
 
 
 def test_off_cuda_it_runs_in_line():
@@ -108,10 +105,8 @@ def test_humming_lora_beside_equals_in_line_and_replays(rows, monkeypatch):
     monkeypatch.setenv("QERL_LORA_OVERLAP", "0")
     in_line = call()
     monkeypatch.setenv("QERL_LORA_OVERLAP", "1")
-    for mode in side_stream.SIDE_MODES:
-        monkeypatch.setenv("QERL_LORA_SIDE", mode)
-        _close(call(), in_line)
-    graph, out = _graph(call)  # under the last mode
+    _close(call(), in_line)
+    graph, out = _graph(call)
     x.copy_(torch.randn(x.shape, device="cuda", generator=g))
     b.copy_(torch.randn(b.shape, device="cuda", generator=g))
     graph.replay()
