@@ -43,13 +43,13 @@ def attach_dense_copies(model: nn.Module, groups, dtype: torch.dtype) -> int:
         for group in groups:
             if group.kind != "fp4":
                 continue
-            parts = [m.base_layer.dequantize_weight(dtype) for m in group.members]
+            parts = [base.dequantize_weight(dtype) for base in group.bases]
             group.dense = parts[0] if len(parts) == 1 else torch.cat(parts)
             del parts
             start = 0
-            for m, size in zip(group.members, group.sizes):
-                m.base_layer.__dict__[_ATTR] = group.dense[start:start + size]
-                m.base_layer.__dict__["_dense_copy_key"] = _weight_key(m.base_layer)
+            for base, size in zip(group.bases, group.sizes):
+                base.__dict__[_ATTR] = group.dense[start:start + size]
+                base.__dict__["_dense_copy_key"] = _weight_key(base)
                 start += size
             total += group.dense.numel() * group.dense.element_size()
         for module in model.modules():

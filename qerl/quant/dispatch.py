@@ -232,7 +232,7 @@ def run_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias=Non
             cuda_builds=lambda: cuda_fp4.built(device_index(x.device)),
             humming=lambda: _humming_fits(x, weight_packed))
     if kernel == "reference":
-        if lora_a is None:
+        if lora_a is None and (weight_global_scale is None or weight_global_scale.numel() == 1):
             return reference_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias)
         return reference_fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
                                          lora_scale, segments)
@@ -370,8 +370,8 @@ def _(grad_out, weight_packed, weight_scale, weight_global_scale):
 
 @torch.library.custom_op("qerl::fp4_lora_matmul", mutates_args=())
 def _fp4_lora_matmul_op(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                        weight_global_scale: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                        lora_b: torch.Tensor, lora_scale: float, segments: list[int],
+                        weight_global_scale: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor | None,
+                        lora_b: torch.Tensor | None, lora_scale: float, segments: list[int],
                         lora_b_diag: torch.Tensor | None = None) -> torch.Tensor:
     return run_fp4_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, lora_scale,
                           segments=segments, lora_b_diag=lora_b_diag)
@@ -432,7 +432,8 @@ def fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, l
     segments: sizes along N of up to three layers that read the same x, stacked in W (rows), the global scale
     (one per segment), A (one (r, K) block per segment) and B (rows): q/k/v or gate/up in one launch.
     lora_b_diag: optionally B laid out block-diagonally (N, segments x r): where the B product is a cuBLAS GEMM
-    (humming's kernel) it is one GEMM instead of one per segment."""
+    (humming's kernel) it is one GEMM instead of one per segment. lora_a = lora_b = None: the stacked base alone
+    (plain projections, qerl.quant.grouped)."""
     n = weight_packed.shape[0]
     return _fp4_lora_matmul_op(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
                                float(lora_scale), [int(v) for v in (segments or [n])], lora_b_diag)

@@ -38,16 +38,29 @@ _STACKED = ("weight_packed", "weight_scale", "weight_global_scale")
 
 
 def _kind(module: nn.Module) -> str | None:
-    """"fp4" for an NVFP4 FP4LoraLinear, "dense" for peft's LoRA Linear over an nn.Linear, else None."""
+    """"fp4" for an NVFP4 FP4LoraLinear or a plain NVFP4 FP4Linear, "dense" for peft's LoRA Linear over an
+    nn.Linear or a plain nn.Linear, else None."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
+    from qerl.quant.linear import FP4Linear
     from qerl.quant.lora import FP4LoraLinear
 
     if isinstance(module, FP4LoraLinear):
         return "fp4" if module.base_layer.fmt == "nvfp4" else None
     if isinstance(module, LoraLinear) and type(module.base_layer) is nn.Linear and not module.merged:
         return "dense"
-    return None
+    if type(module) is FP4Linear:
+        return "fp4" if module.fmt == "nvfp4" else None
+    return "dense" if type(module) is nn.Linear else None
+
+
+def _has_lora(module: nn.Module) -> bool:
+    """A peft LoRA layer (its base in `base_layer`), not a plain projection."""
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
+
+
+def _base(module: nn.Module) -> nn.Module:
+    return module.base_layer if _has_lora(module) else module
 
 
 @torch.library.custom_op("qerl::dense_lora_matmul", mutates_args=())
@@ -65,8 +78,9 @@ def _(x2, weight, bias, lora_a, lora_b, scale, n1, n2, lora_b_diag):
     return x2.new_empty(x2.shape[0], weight.shape[0])
 
 
-def _grouped_dense_forward(self, x, *args, **kwargs):
-    """peft LoRA Linear.forward, taking the group's stacked output when there is one."""
+def _grouped_forward(self, x, *args, **kwargs):
+    """The layer's own forward (peft LoRA Linear, or a plain projection's), taking the group's stacked output when
+    there is one."""
     grouped = self.__dict__["_qerl_group"]
     out = grouped[0].member_forward(grouped[1], x) if not args and not kwargs else None
     return out if out is not None else type(self).forward(self, x, *args, **kwargs)
@@ -90,8 +104,9 @@ class ProjectionGroup:
     def __init__(self, members: list[nn.Module]):
         self.members = members
         self.kind = _kind(members[0])
+        self.lora = _has_lora(members[0])  # else plain projections: the stacked base alone
         self.sizes = [m.out_features for m in members]
-        bases = [m.base_layer for m in members]
+        self.bases = bases = [_base(m) for m in members]
         names = _STACKED if self.kind == "fp4" else ("weight",)
         self.stacked = {}
         with torch.no_grad():
@@ -111,8 +126,9 @@ class ProjectionGroup:
                         base.weight.data = view  # the (frozen) Parameter object stays, its storage is shared
                     start += part.shape[0]
             self.bias = None if bases[0].bias is None else torch.cat([b.bias.detach() for b in bases])
-        self.adapter = members[0].active_adapters[0]
-        self.scaling = float(members[0].scaling[self.adapter])
+        self.adapter = members[0].active_adapters[0] if self.lora else None
+        self.scaling = float(members[0].scaling[self.adapter]) if self.lora else 1.0
+        self.dtype = None  # the activations' dtype of the current projections_fused
         # stacked adapter copies in the compute dtype, filled by refresh(); lora_b_diag: B block-diagonal, so that
         # one GEMM over the stacked x @ A.T adds every member's update where B is a cuBLAS GEMM
         self.lora_a = self.lora_b = self.lora_b_diag = None
@@ -122,17 +138,25 @@ class ProjectionGroup:
         self._outs = None
         for i, m in enumerate(members):
             m.__dict__["_qerl_group"] = (self, i)
-            if self.kind == "dense":
-                m.forward = types.MethodType(_grouped_dense_forward, m)
+            if self.kind == "dense" or not self.lora:  # FP4LoraLinear.forward asks its group itself
+                m.forward = types.MethodType(_grouped_forward, m)
 
     @staticmethod
     def compatible(members: list[nn.Module]) -> bool:
-        """One kind (FP4 or dense base), same input size, device, dtype and bias presence, one common adapter
-        with one rank and scaling, output sizes that a kernel tile boundary can separate (multiples of 16)."""
+        """One kind (FP4 or dense base), all LoRA layers or all plain ones, same input size, device, dtype and bias
+        presence, output sizes that a kernel tile boundary can separate (multiples of 16), and for LoRA layers one
+        common adapter with one rank and scaling."""
         kinds = {_kind(m) for m in members}
-        if not members or len(kinds) != 1 or None in kinds:
+        if not members or len(kinds) != 1 or None in kinds or len({_has_lora(m) for m in members}) != 1:
             return False
         first = members[0]
+        if not _has_lora(first):
+            def plain(m):
+                data = m.weight_packed if hasattr(m, "weight_packed") else m.weight
+                return m.in_features, data.device, data.dtype, m.bias is None, m.out_features % 16 == 0
+
+            sigs = [plain(m) for m in members]
+            return sigs[0][-1] and all(s == sigs[0] for s in sigs)
         if len(first.active_adapters) != 1:
             return False
         name = first.active_adapters[0]
@@ -152,6 +176,9 @@ class ProjectionGroup:
         """Stack the members' current adapter weights in `dtype` (into the same buffers when shapes allow, so a
         captured CUDA graph keeps reading valid addresses), B also block-diagonal, so that where torch's addmm
         adds the B products (lora_expand off its one-pass kernel) one GEMM does every member's."""
+        self.dtype = dtype
+        if not self.lora:
+            return
         with torch.no_grad():
             a = torch.cat([m.lora_A[self.adapter].weight for m in self.members]).to(dtype)
             b = torch.cat([m.lora_B[self.adapter].weight for m in self.members]).to(dtype)
@@ -184,7 +211,7 @@ class ProjectionGroup:
         return out
 
     def _stacked_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "fp4" and self.dense is not None and self.members[0].base_layer.dense_copy_for(x) is not None:
+        if self.kind == "fp4" and self.dense is not None and self.bases[0].dense_copy_for(x) is not None:
             return self._dense_copy_forward(x)
         if self.kind == "fp4":
             return fp4_lora_matmul(x, self.stacked["weight_packed"], self.stacked["weight_scale"],
@@ -202,10 +229,14 @@ class ProjectionGroup:
 
     def _dense_lora(self, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x2 @ weight.T (+ bias) + every member's B product: one op, x @ A.T beside the GEMM."""
+        if not self.lora:
+            return F.linear(x2, weight, bias)
         n1, n2 = stack_bounds(self.sizes, weight.shape[0])
         return _dense_lora_op(x2, weight, bias, self.lora_a, self.lora_b, self.scaling, n1, n2, self.lora_b_diag)
 
     def _usable(self, x: torch.Tensor) -> bool:
+        if not self.lora:  # the stacked base in the activations' dtype (a dense weight must match it)
+            return x.dtype == self.dtype and (self.kind == "fp4" or self.stacked["weight"].dtype == x.dtype)
         first = self.members[0]
         if self.lora_a is None or x.dtype != self.lora_a.dtype or first.disable_adapters:
             return False
@@ -217,16 +248,16 @@ class ProjectionGroup:
         """Give every member contiguous tensors of its own again and detach it from the group."""
         own = len(self.members) == 1  # a group of one never gave its member views
         with torch.no_grad():
-            for m in self.members:
+            for m, base in zip(self.members, self.bases):
                 if not own and self.kind == "fp4":
                     for name in _STACKED:
-                        m.base_layer._buffers[name] = m.base_layer._buffers[name].clone()
+                        base._buffers[name] = base._buffers[name].clone()
                 elif not own:
-                    m.base_layer.weight.data = m.base_layer.weight.data.clone()
-                if self.kind != "fp4":
+                    base.weight.data = base.weight.data.clone()
+                if self.kind != "fp4" or not self.lora:
                     m.__dict__.pop("forward", None)
                 m.__dict__.pop("_qerl_group", None)
-                m.base_layer.__dict__.pop("dense_copy", None)  # a view of the stacked copy dropped below
+                base.__dict__.pop("dense_copy", None)  # a view of the stacked copy dropped below
         self.stacked, self.lora_a, self.lora_b, self._outs, self._x = {}, None, None, None, None
         self.lora_b_diag = None
         self.dense = None
@@ -235,8 +266,9 @@ class ProjectionGroup:
 def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense")) -> list[ProjectionGroup]:
     """A ProjectionGroup for every module whose children named by one of `groups` are compatible LoRA layers
     (all FP4LoraLinear: kind "fp4", or all peft LoRA Linear over nn.Linear: kind "dense") of one of `kinds`, and
-    one per member where they are not; other models get none. Memory: the weights move, nothing is held twice (the
-    members' weights become views of the stacked tensors)."""
+    one per LoRA member where they are not; plain projections (FP4Linear, nn.Linear: a model without adapters, as
+    an evaluation runs a checkpoint) are stacked too, from two members (alone they gain nothing). Memory: the
+    weights move, nothing is held twice (the members' weights become views of the stacked tensors)."""
     found, taken = [], 0
     for module in model.modules():
         for names in groups:
@@ -245,10 +277,10 @@ def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense")) -
                 continue
             if any("_qerl_group" in m.__dict__ for m in members):
                 taken += 1
-            elif ProjectionGroup.compatible(members):
+            elif ProjectionGroup.compatible(members) and (len(members) > 1 or _has_lora(members[0])):
                 found.append(ProjectionGroup(members))
-            else:  # members that cannot stack (ranks, adapters differ) still run as one op each
-                found += [ProjectionGroup([m]) for m in members if ProjectionGroup.compatible([m])]
+            else:  # LoRA members that cannot stack (ranks, adapters differ) still run as one op each
+                found += [ProjectionGroup([m]) for m in members if _has_lora(m) and ProjectionGroup.compatible([m])]
     if taken:  # grouped by another engine on this model: they run only while that engine's groups are active
         warnings.warn(f"{taken} projection groups of this model belong to another engine (close it first): they run "
                       f"ungrouped here", stacklevel=2)

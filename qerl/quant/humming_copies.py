@@ -28,7 +28,7 @@ def _operands(model: nn.Module, groups):
         if g.kind == "fp4" and g.stacked:
             st = g.stacked
             segs = tuple(g.sizes) if st["weight_global_scale"].numel() > 1 else (st["weight_packed"].shape[0],)
-            grouped.update(id(m.base_layer) for m in g.members)
+            grouped.update(id(base) for base in g.bases)
             found.append((st["weight_packed"], st["weight_scale"], st["weight_global_scale"], segs))
     found += [(m.weight_packed, m.weight_scale, m.weight_global_scale, (m.weight_packed.shape[0],))
               for m in model.modules()

@@ -48,8 +48,9 @@ def reference_fp4_matmul_t(grad_out, weight_packed, weight_scale, weight_global_
 def reference_fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b,
                               lora_scale: float, segments=None):
     """fp4_matmul + lora_scale * (x @ A.T) @ B.T, the LoRA part in x's dtype (as peft computes it); with
-    `segments`, W / global scale / A stack one block per segment (see fp4_lora_matmul)."""
-    n, r = weight_packed.shape[0], lora_b.shape[-1]
+    `segments`, W / global scale / A stack one block per segment (see fp4_lora_matmul); without A and B (None),
+    the stacked base alone."""
+    n = weight_packed.shape[0]
     segments = list(segments or [n])
     gs = weight_global_scale.reshape(-1)
     outs, start = [], 0
@@ -57,7 +58,9 @@ def reference_fp4_lora_matmul(x, weight_packed, weight_scale, weight_global_scal
         rows = slice(start, start + size)
         out = reference_fp4_matmul(x, weight_packed[rows], weight_scale[rows], gs[i:i + 1],
                                    None if bias is None else bias[rows])
-        xa = x @ lora_a[i * r:(i + 1) * r].to(x.dtype).T
-        outs.append(out + xa @ lora_b[rows].to(x.dtype).T * lora_scale)
+        if lora_a is not None:
+            r = lora_b.shape[-1]
+            out = out + (x @ lora_a[i * r:(i + 1) * r].to(x.dtype).T) @ lora_b[rows].to(x.dtype).T * lora_scale
+        outs.append(out)
         start += size
     return torch.cat(outs, dim=-1)

@@ -98,7 +98,8 @@ def test_a_different_input_or_order_computes_alone(nvfp4_dir):
 
 @pytest.mark.parametrize("overrides,sizes", [
     (dict(rank_pattern={"k_proj": 8}), [1, 1, 1, 1, 2, 1]),  # k's rank differs: q, k, v one op each, gate|up stack
-    (dict(target_modules=["q_proj", "v_proj"]), [1, 1]),  # k and the MLP have no adapter: q and v alone
+    # k and the MLP have no adapter: q and v alone, the plain gate|up stacked (plain o and down: no group)
+    (dict(target_modules=["q_proj", "v_proj"]), [1, 1, 2]),
 ])
 def test_incompatible_layers_stay_separate(nvfp4_dir, overrides, sizes):
     model = _peft(nvfp4_dir, **overrides)
@@ -121,6 +122,28 @@ def test_engine_decodes_the_same_tokens_with_groups(nvfp4_dir, tiny_model_dir):
     engine = TorchEngine(model, tok, eos_token_ids=(), fuse_projections=True)
     out = engine.generate(prompts, 2, greedy)
     assert out.stats["projection_groups"] == 4 * len(model.base_model.model.model.layers)
+    assert out.completion_ids == ref.completion_ids
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), rtol=1e-4, atol=1e-4)
+    engine.close()
+    assert not any("_qerl_group" in m.__dict__ for m in model.modules())
+
+
+def test_engine_decodes_the_same_tokens_with_plain_groups(nvfp4_dir, tiny_model_dir):
+    """An FP4 checkpoint without adapters (an evaluation): the paged engine's tokens and log-probs with q|k|v and
+    gate|up stacked equal those of the separate layers."""
+    from transformers import AutoTokenizer
+
+    from qerl.rollout import SamplingParams
+    from qerl.rollout.paged_engine import PagedEngine
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [tok(t)["input_ids"] for t in ("2+2=", "The quick brown fox jumps")]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    model = load_quantized_model(nvfp4_dir)
+    ref = PagedEngine(model, tok, eos_token_ids=(), fuse_projections=False).generate(prompts, 2, greedy)
+    engine = PagedEngine(model, tok, eos_token_ids=(), fuse_projections=True)
+    out = engine.generate(prompts, 2, greedy)
+    assert out.stats["projection_groups"] == 2 * len(model.model.layers)
     assert out.completion_ids == ref.completion_ids
     torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), rtol=1e-4, atol=1e-4)
     engine.close()
@@ -159,21 +182,26 @@ def test_dense_lora_layers_group_the_same_way(tiny_model_dir):
         torch.testing.assert_close(model(IDS).logits, ref)
 
 
-@pytest.mark.parametrize("kind", ["fp4", "dense"])
+@pytest.mark.parametrize("kind", ["fp4", "dense", "fp4 plain", "dense plain"])
 def test_dynamo_traces_the_group_protocol_without_breaks(nvfp4_dir, tiny_model_dir, kind):
     """torch.compile sees one stacked op per group and no graph break (the engine compiles its decode step)."""
     import torch._dynamo
 
+    from transformers import AutoModelForCausalLM
+
     if kind == "fp4":
         model = _peft(nvfp4_dir)
+    elif kind == "fp4 plain":
+        model = load_quantized_model(nvfp4_dir)
     else:
         from peft import LoraConfig
-        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
-        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
-    layer = model.base_model.model.model.layers[0]
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+        if kind == "dense":
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                     init_lora_weights=False))
+    layer = (model.base_model.model if kind in ("fp4", "dense") else model).model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
 
     def projections(x):
@@ -189,7 +217,8 @@ def test_dynamo_traces_the_group_protocol_without_breaks(nvfp4_dir, tiny_model_d
         out = torch.compile(projections, backend="eager", fullgraph=True)(x)
     assert explanation.graph_break_count == 0
     targets = [str(n.target) for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"]
-    stacked = "qerl.fp4_lora_matmul" if kind == "fp4" else "qerl.dense_lora_matmul"
+    stacked = {"fp4": "qerl.fp4_lora_matmul", "dense": "qerl.dense_lora_matmul", "fp4 plain": "qerl.fp4_lora_matmul",
+               "dense plain": "linear"}[kind]
     assert sum(stacked in t for t in targets) == 2  # q|k|v and gate|up, not five layers
     for got, want in zip(out, ref):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -246,3 +275,44 @@ def test_a_second_engine_on_a_grouped_model_warns_and_groups_once_the_first_is_c
     assert second._groups == []
     first.close()
     assert second.fuse_projections() == 8
+
+
+@pytest.mark.parametrize("kind", ["fp4", "dense"])
+def test_plain_projections_stack_too(nvfp4_dir, tiny_model_dir, kind):
+    """A model without adapters (an evaluated checkpoint): q|k|v and gate|up stacked, o and down left alone; the
+    same logits as the separate layers in two stacked calls per layer; training untouched; ungrouped as before."""
+    from transformers import AutoModelForCausalLM
+
+    from qerl.quant.linear import FP4Linear
+
+    model = (load_quantized_model(nvfp4_dir) if kind == "fp4"
+             else AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32))
+    plain = FP4Linear if kind == "fp4" else torch.nn.Linear
+    layers = [m for n, m in model.named_modules() if isinstance(m, plain) and n.rsplit(".", 1)[-1] in TARGETS]
+    before = {id(m): (m.weight_packed if kind == "fp4" else m.weight).clone() for m in layers}
+    with torch.no_grad():
+        ref = model(IDS).logits
+    groups = group_projections(model)
+    n_layers = len(model.model.layers)
+    assert len(groups) == 2 * n_layers and [len(g.members) for g in groups[:2]] == [3, 2]
+    assert {g.kind for g in groups} == {kind} and not any(g.lora for g in groups)
+    calls = []
+    for g in groups:
+        real = g._stacked_forward
+        g._stacked_forward = lambda x, real=real: calls.append(1) or real(x)
+    with torch.no_grad(), projections_fused(groups, torch.float32):
+        fused = model(IDS).logits
+    assert len(calls) == 2 * n_layers
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+    calls.clear()
+    with torch.no_grad(), projections_fused(groups, torch.float64):  # x in another dtype: each layer alone
+        model(IDS)
+    assert not calls
+    with projections_fused(groups, torch.float32):
+        model(IDS)  # autograd on: each layer alone
+    assert not calls
+    ungroup_projections(groups)
+    assert all(torch.equal(m.weight_packed if kind == "fp4" else m.weight, before[id(m)]) for m in layers)
+    assert not any("forward" in m.__dict__ or "_qerl_group" in m.__dict__ for m in layers)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, ref)

@@ -179,6 +179,24 @@ def test_stacked_segments_match_separate_float64(tf, rows, sizes):
     assert frob < 5e-3 and worst < 2e-2, f"{sizes} rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
 
 
+@pytest.mark.parametrize("rows", [1, 8, 16, 64, 300])
+@pytest.mark.parametrize("sizes", [(3584, 512, 512), (18944, 18944)])
+def test_stacked_segments_without_lora_match_float64(tf, rows, sizes):
+    """Plain projections stacked (an evaluated checkpoint, qerl.quant.grouped): segments with their own global
+    scales and no adapter, on the kernel the dispatcher picks at each row count (CUDA, Triton, chunked dequant)."""
+    from qerl.quant.dispatch import fp4_lora_matmul
+
+    (x, packed, scale, gs, bias, a, b), _ = _stacked_case(sizes, rows, seed=5)
+    refs, start = [], 0
+    for i, n in enumerate(sizes):
+        w64 = dequantize_nvfp4(packed[start:start + n], scale[start:start + n], gs[i], torch.float64)
+        refs.append(x.double() @ w64.T + bias[start:start + n].double())
+        start += n
+    out = fp4_lora_matmul(x, packed, scale, gs, bias, None, None, 1.0, list(sizes))
+    frob, worst = _rel_err(out, torch.cat(refs, dim=1))
+    assert frob < 5e-3 and worst < 2e-2, f"{sizes} rows {rows}: rel err {frob:.2e}, max {worst:.2e}"
+
+
 @pytest.mark.parametrize("rows", [1, 8, 16])
 @pytest.mark.parametrize("bk,split", [(256, 1), (128, 4)])
 def test_swapped_operands_match_float64(tf, rows, bk, split):
