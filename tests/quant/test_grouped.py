@@ -108,42 +108,27 @@ def test_incompatible_layers_stay_separate(nvfp4_dir, overrides, sizes):
     assert sorted(len(g.members) for g in groups) == sorted(sizes * n_layers)
 
 
-def test_engine_decodes_the_same_tokens_with_groups(nvfp4_dir, tiny_model_dir):
+@pytest.mark.parametrize("case", ["lora, torch engine", "plain, paged engine"])
+def test_engine_decodes_the_same_tokens_with_groups(nvfp4_dir, tiny_model_dir, case):
+    """Greedy tokens and log-probs with projection groups equal those of the separate layers: FP4 + LoRA (4 groups
+    a layer) on the static engine, and an FP4 checkpoint without adapters, an evaluation (q|k|v and gate|up: 2 a
+    layer), on the paged engine."""
     from transformers import AutoTokenizer
 
     from qerl.rollout import SamplingParams
+    from qerl.rollout.paged_engine import PagedEngine
     from qerl.rollout.torch_engine import TorchEngine
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [tok(t)["input_ids"] for t in ("2+2=", "The quick brown fox jumps")]
     greedy = SamplingParams(temperature=0, max_tokens=8)
-    model = _peft(nvfp4_dir)
-    ref = TorchEngine(model, tok, eos_token_ids=(), fuse_projections=False).generate(prompts, 2, greedy)
-    engine = TorchEngine(model, tok, eos_token_ids=(), fuse_projections=True)
+    lora = case.startswith("lora")
+    model, engine_class = (_peft(nvfp4_dir), TorchEngine) if lora else (load_quantized_model(nvfp4_dir), PagedEngine)
+    layers = len((model.base_model.model if lora else model).model.layers)
+    ref = engine_class(model, tok, eos_token_ids=(), fuse_projections=False).generate(prompts, 2, greedy)
+    engine = engine_class(model, tok, eos_token_ids=(), fuse_projections=True)
     out = engine.generate(prompts, 2, greedy)
-    assert out.stats["projection_groups"] == 4 * len(model.base_model.model.model.layers)
-    assert out.completion_ids == ref.completion_ids
-    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), rtol=1e-4, atol=1e-4)
-    engine.close()
-    assert not any("_qerl_group" in m.__dict__ for m in model.modules())
-
-
-def test_engine_decodes_the_same_tokens_with_plain_groups(nvfp4_dir, tiny_model_dir):
-    """An FP4 checkpoint without adapters (an evaluation): the paged engine's tokens and log-probs with q|k|v and
-    gate|up stacked equal those of the separate layers."""
-    from transformers import AutoTokenizer
-
-    from qerl.rollout import SamplingParams
-    from qerl.rollout.paged_engine import PagedEngine
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    prompts = [tok(t)["input_ids"] for t in ("2+2=", "The quick brown fox jumps")]
-    greedy = SamplingParams(temperature=0, max_tokens=8)
-    model = load_quantized_model(nvfp4_dir)
-    ref = PagedEngine(model, tok, eos_token_ids=(), fuse_projections=False).generate(prompts, 2, greedy)
-    engine = PagedEngine(model, tok, eos_token_ids=(), fuse_projections=True)
-    out = engine.generate(prompts, 2, greedy)
-    assert out.stats["projection_groups"] == 2 * len(model.model.layers)
+    assert out.stats["projection_groups"] == (4 if lora else 2) * layers
     assert out.completion_ids == ref.completion_ids
     torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), rtol=1e-4, atol=1e-4)
     engine.close()
