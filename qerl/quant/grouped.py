@@ -1,5 +1,6 @@
 """Projection groups: LoRA layers that read the same input (q/k/v, gate/up) run as one launch at inference, and
 the single projections (o, down) as groups of one, so that every LoRA layer of an inference forward is one op.
+Plain projections (a model without adapters: an evaluated checkpoint) stack the same way, from two members.
 
     groups = group_projections(model)        # packed weights re-laid as one stacked tensor; members hold views
     with projections_fused(groups, torch.bfloat16):
