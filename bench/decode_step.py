@@ -172,7 +172,8 @@ def run_mode(args, mode: str, train_cfg, size: str, bandwidth: float) -> list[di
         model = build_random_model(qwen25_config(size), fp4=mode == "fp4", device="cuda", dtype=torch.bfloat16,
                                    seed=args.seed)
     options = dict(engine_options(train_cfg.model_copy(update={"rollout": train_cfg.rollout.model_copy(
-        update={"engine": "paged", "compile": "auto" if args.compile == "auto" else False})})))
+        update={"engine": "paged", "compile": "auto" if args.compile == "auto" else False})})),
+                   plain_projections=True)  # as an evaluation: a model without adapters stacks its projections
     engine = ForcedLengthEngine(model, tok, eos_token_ids=(), **options)
     r = train_cfg.rollout
     weights, per_pos = decode_weight_bytes(model), _kv_bytes_per_position(model)

@@ -48,7 +48,8 @@ def check_loadable(path: Path, flag: str, dtype: str) -> None:
 
 def load_for_eval(path: str | Path, dtype: str):
     """A dense HF model, the packed FP4 model for a compressed-tensors checkpoint (never a bf16 copy), or the
-    bitsandbytes NF4 model (QLoRA's base as training ran on it) for an NF4 checkpoint."""
+    bitsandbytes NF4 model (QLoRA's base as training ran on it) for an NF4 checkpoint; frozen (nothing trains it:
+    no autograd state, and the engines may stack its projections, qerl.quant.grouped)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qerl.quant.loader import checkpoint_format, load_quantized_model
@@ -64,7 +65,7 @@ def load_for_eval(path: str | Path, dtype: str):
         model = load_quantized_model(p, dtype=torch_dtype, device=device)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch_dtype).to(device)
-    return model.eval(), AutoTokenizer.from_pretrained(str(p))
+    return model.eval().requires_grad_(False), AutoTokenizer.from_pretrained(str(p))
 
 
 def _records(entry, data_dir: str | None, limit: int | None):

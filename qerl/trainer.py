@@ -58,12 +58,12 @@ def _step_seed(seed: int, step: int, salt: int) -> int:
 def engine_options(cfg: TrainConfig) -> dict[str, Any]:
     """make_engine's keyword arguments for the configured rollout engine."""
     r = cfg.rollout
-    if r.engine == "paged":
+    if r.engine == "paged":  # plain_projections off: the trained weights (mode full) stay the optimizer's tensors
         return {"gpu_memory_utilization": r.gpu_memory_utilization, "block_size": r.block_size, "compile": r.compile,
                 "max_num_batched_tokens": r.max_num_batched_tokens, "max_num_seqs": r.max_num_seqs,
-                "resident": "auto" if r.keep_resident else False}
+                "resident": "auto" if r.keep_resident else False, "plain_projections": False}
     if r.engine == "torch":
-        return {"compile": r.compile}
+        return {"compile": r.compile, "plain_projections": False}
     if r.engine == "vllm":
         return {"gpu_memory_utilization": r.gpu_memory_utilization, "max_lora_rank": max(64, cfg.lora.lora_r)}
     return {}

@@ -234,6 +234,16 @@ def test_the_tracer_sees_a_key_nobody_reads(monkeypatch):
     assert "TrainConfig.epsilon_high" not in seen  # the validator compared it; nothing outside config.py did
 
 
+def test_the_trainers_engines_stack_no_plain_projections():
+    """A rollout's model is the one training owns (mode full: its weights, or a copy gathered from FSDP shards):
+    its plain projections must keep their own tensors, so the trainer's engines group LoRA layers only."""
+    from qerl.trainer import engine_options
+
+    for engine in ("paged", "torch"):
+        cfg = qcfg.TrainConfig(data={"source": "x"}, rollout={"engine": engine})
+        assert engine_options(cfg)["plain_projections"] is False
+
+
 def test_rollout_compile_reaches_the_engine_options():
     from qerl.trainer import engine_options
 

@@ -152,9 +152,10 @@ class ProjectionGroup:
             return False
         first = members[0]
         if not _has_lora(first):
-            def plain(m):
+            def plain(m):  # frozen only: a trained weight stacked would be a view the optimizer and saving see
                 data = m.weight_packed if hasattr(m, "weight_packed") else m.weight
-                return m.in_features, data.device, data.dtype, m.bias is None, m.out_features % 16 == 0
+                frozen = not any(p.requires_grad for p in m.parameters(recurse=False))
+                return m.in_features, data.device, data.dtype, m.bias is None, frozen and m.out_features % 16 == 0
 
             sigs = [plain(m) for m in members]
             return sigs[0][-1] and all(s == sigs[0] for s in sigs)
@@ -264,12 +265,15 @@ class ProjectionGroup:
         self.dense = None
 
 
-def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense")) -> list[ProjectionGroup]:
+def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense"),
+                      plain: bool = True) -> list[ProjectionGroup]:
     """A ProjectionGroup for every module whose children named by one of `groups` are compatible LoRA layers
     (all FP4LoraLinear: kind "fp4", or all peft LoRA Linear over nn.Linear: kind "dense") of one of `kinds`, and
-    one per LoRA member where they are not; plain projections (FP4Linear, nn.Linear: a model without adapters, as
-    an evaluation runs a checkpoint) are stacked too, from two members (alone they gain nothing). Memory: the
-    weights move, nothing is held twice (the members' weights become views of the stacked tensors)."""
+    one per LoRA member where they are not; with `plain`, frozen plain projections (FP4Linear, nn.Linear without
+    grad: a model without adapters, as an evaluation runs a checkpoint) are stacked too, from two members (alone
+    they gain nothing). Memory: the weights move, nothing is held twice (the members' weights become views of the
+    stacked tensors); so a model whose weights someone else re-allocates (a rollout copy gathered from FSDP shards)
+    must not get plain groups: its trainer passes plain=False."""
     found, taken = [], 0
     for module in model.modules():
         for names in groups:
@@ -278,7 +282,7 @@ def group_projections(model: nn.Module, groups=GROUPS, kinds=("fp4", "dense")) -
                 continue
             if any("_qerl_group" in m.__dict__ for m in members):
                 taken += 1
-            elif ProjectionGroup.compatible(members) and (len(members) > 1 or _has_lora(members[0])):
+            elif ProjectionGroup.compatible(members) and (_has_lora(members[0]) or plain and len(members) > 1):
                 found.append(ProjectionGroup(members))
             else:  # LoRA members that cannot stack (ranks, adapters differ) still run as one op each
                 found += [ProjectionGroup([m]) for m in members if _has_lora(m) and ProjectionGroup.compatible([m])]

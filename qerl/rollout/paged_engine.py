@@ -61,8 +61,9 @@ class PagedEngine(RolloutEngine):
     CUDA graphs on CUDA where the Triton decode kernel runs; False: every step packed and eager; "auto": on CUDA.
     compile: torch.compile the bucketed decode forward (True, False, or "auto" = where it is captured as CUDA
     graphs), as TorchEngine's; a compile failure warns and decodes uncompiled.
-    lora_dtype, fuse_projections: as TorchEngine's, with its defaults ("auto": the model's compute dtype, and FP4 +
-    dense projection groups, on CUDA only), in place around each call; graphs are captured with them in place.
+    lora_dtype, fuse_projections, plain_projections: as TorchEngine's, with its defaults ("auto": the model's compute
+    dtype, and FP4 + dense projection groups, on CUDA only), in place around each call; graphs are captured with
+    them in place.
     dense_weights: keep a dequantized copy of the FP4 base weights for the rollout (qerl.quant.dense_copies;
     steps of >= DENSE_COPY_MIN_ROWS rows run cuBLAS on it, fewer rows the FP4 kernels), made with the pool and
     given back with it by sleep(): True, False, or "auto" = on CUDA when the call has that many rows and the
@@ -78,7 +79,7 @@ class PagedEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.85, max_num_batched_tokens: int = 8192,
                  max_num_seqs: int | None = None, eos_token_ids=None, decode_buckets="auto",
                  compile="auto", lora_dtype="auto", fuse_projections="auto", dense_weights="auto",
-                 pipeline_decode="auto", resident="auto"):
+                 pipeline_decode="auto", resident="auto", plain_projections=True):
         for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise QerlError(f"PagedEngine.{name}: expected an int >= 1, got {value!r}")
@@ -121,6 +122,9 @@ class PagedEngine(RolloutEngine):
         self.lora_dtype = (compute_dtype(model) if on_cuda else None) if lora_dtype == "auto" else lora_dtype
         self._shadows: dict[int, torch.nn.Parameter] = {}  # id(adapter weight) -> its copy in lora_dtype
         self._groups: list = []
+        if plain_projections not in (True, False):
+            raise QerlError(f"PagedEngine.plain_projections: expected True or False, got {{plain_projections!r}}")
+        self.plain_projections = plain_projections
         if fuse_projections is True or (fuse_projections == "auto" and on_cuda):
             self.fuse_projections(("fp4", "dense"))
 
@@ -181,7 +185,7 @@ class PagedEngine(RolloutEngine):
     def fuse_projections(self, kinds=("fp4", "dense")) -> int:
         """Group the projections of these layer kinds (after ungrouping any); returns the number of groups."""
         self.unfuse_projections()
-        self._groups = group_projections(self.model, kinds=tuple(kinds))
+        self._groups = group_projections(self.model, kinds=tuple(kinds), plain=self.plain_projections)
         return len(self._groups)
 
     def unfuse_projections(self) -> None:

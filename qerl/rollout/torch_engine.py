@@ -49,12 +49,13 @@ class TorchEngine(RolloutEngine):
     fuse_projections: LoRA layers that read the same input (q/k/v, gate/up) run as one launch during calls
     (qerl.quant.grouped; the model stays trainable as before). "auto": FP4 and dense (peft LoRA over nn.Linear)
     layers on CUDA, none on CPU; True: both kinds on any device; False: none. Measured gain: BENCHMARKS.md,
-    "(b) Rollout", engine choices.
+    "(b) Rollout", engine choices. plain_projections: frozen layers without adapters (a checkpoint's) are stacked
+    too (False: LoRA layers only; the trainer's rollouts, whose weights training owns).
     """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int | None = None, use_cuda_graph="auto",
                  cache: str = "auto", eos_token_ids=None, compile="auto", lora_dtype="auto",
-                 fuse_projections="auto"):
+                 fuse_projections="auto", plain_projections=True):
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise QerlError(f"TorchEngine.max_batch_size: expected None or an int >= 1, got {max_batch_size!r}")
         if cache not in ("auto", "dynamic", "static"):
@@ -88,6 +89,9 @@ class TorchEngine(RolloutEngine):
             raise QerlError(f"TorchEngine.fuse_projections: expected True, False or 'auto', got {fuse_projections!r}")
         self._groups: list = []
         self.stats["projection_groups"] = 0
+        if plain_projections not in (True, False):
+            raise QerlError(f"TorchEngine.plain_projections: expected True or False, got {{plain_projections!r}}")
+        self.plain_projections = plain_projections
         if fuse_projections is True or (fuse_projections == "auto" and on_cuda):
             self.fuse_projections(("fp4", "dense"))
 
@@ -127,7 +131,7 @@ class TorchEngine(RolloutEngine):
     def fuse_projections(self, kinds=("fp4", "dense")) -> int:
         """Group the projections of these layer kinds (after ungrouping any); returns the number of groups."""
         self.unfuse_projections()
-        self._groups = group_projections(self.model, kinds=tuple(kinds))
+        self._groups = group_projections(self.model, kinds=tuple(kinds), plain=self.plain_projections)
         self.stats["projection_groups"] = len(self._groups)
         return len(self._groups)
 

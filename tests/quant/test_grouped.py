@@ -186,6 +186,8 @@ def test_dynamo_traces_the_group_protocol_without_breaks(nvfp4_dir, tiny_model_d
         if kind == "dense":
             model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
                                                      init_lora_weights=False))
+        else:
+            model.requires_grad_(False)  # a checkpoint evaluated: plain projections stack only when frozen
     layer = (model.base_model.model if kind in ("fp4", "dense") else model).model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
 
@@ -272,6 +274,10 @@ def test_plain_projections_stack_too(nvfp4_dir, tiny_model_dir, kind):
 
     model = (load_quantized_model(nvfp4_dir) if kind == "fp4"
              else AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32))
+    if kind == "dense":  # trained weights are never stacked (the optimizer and checkpoints hold them); frozen ones are
+        assert group_projections(model) == []
+        model.requires_grad_(False)
+    assert group_projections(model, plain=False) == []  # the trainer's rollouts: LoRA layers only
     plain = FP4Linear if kind == "fp4" else torch.nn.Linear
     layers = [m for n, m in model.named_modules() if isinstance(m, plain) and n.rsplit(".", 1)[-1] in TARGETS]
     before = {id(m): (m.weight_packed if kind == "fp4" else m.weight).clone() for m in layers}

@@ -197,7 +197,8 @@ def test_bad_arguments_raise_one_line_errors(model_and_tok):
                       (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
                       (dict(max_num_seqs=0), "max_num_seqs"), (dict(decode_buckets="yes"), "decode_buckets"),
                       (dict(compile="no"), "compile"), (dict(lora_dtype="half"), "lora_dtype"),
-                      (dict(fuse_projections="yes"), "fuse_projections")):
+                      (dict(fuse_projections="yes"), "fuse_projections"),
+                      (dict(plain_projections="auto"), "plain_projections")):
         with pytest.raises(QerlError, match=field):
             PagedEngine(model, tok, **kw)
     with pytest.raises(QerlError, match="prompt_ids"):
