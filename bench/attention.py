@@ -79,7 +79,13 @@ KEY_KINDS = {  # rows' filled keys: a rollout's late steps, its middle (the 16-p
 
 def _configs(text: str) -> list[tuple[int, int, int]]:
     """'64x4x3,128x8x2' -> [(64, 4, 3), (128, 8, 2)]: key positions per tile, warps, pipeline stages."""
-    return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item.strip()]
+    found = []
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(v.isdigit() and int(v) > 0 for v in parts):
+            raise SystemExit(f"bench.attention: --configs: expected TILExWARPSxSTAGES (e.g. 64x4x3), got {item!r}")
+        found.append(tuple(int(v) for v in parts))
+    return found
 
 
 def run_paged(splits=(), kinds=("long",), configs=()) -> dict:
@@ -136,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--configs", default="", help="--paged: also these kernel configs, tile keys x warps x stages, "
                    "e.g. 128x4x2,64x8x3, each at every split count timed")
     a = p.parse_args(argv)
+    configs = _configs(a.configs)
     kinds = [k.strip() for k in a.keys.split(",") if k.strip()] + (["short"] if a.short_rows else [])
     bad = [k for k in kinds if k not in KEY_KINDS]
     if bad:
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention needs a CUDA GPU")
     splits = tuple(int(n) for n in a.splits.split(",") if n.strip())
-    result = run_paged(splits, tuple(dict.fromkeys(kinds)), _configs(a.configs)) if a.paged else run()
+    result = run_paged(splits, tuple(dict.fromkeys(kinds)), configs) if a.paged else run()
     write_json(a.out, result)
     print(f"wrote {a.out}")
 

@@ -139,8 +139,14 @@ class ProjectionGroup:
         self._outs = None
         for i, m in enumerate(members):
             m.__dict__["_qerl_group"] = (self, i)
-            if self.kind == "dense" or not self.lora:  # FP4LoraLinear.forward asks its group itself
+            if self.patches_forward:
                 m.forward = types.MethodType(_grouped_forward, m)
+
+    @property
+    def patches_forward(self) -> bool:
+        """Whether the members' forward is swapped for _grouped_forward (FP4LoraLinear.forward asks its group
+        itself)."""
+        return self.kind == "dense" or not self.lora
 
     @staticmethod
     def compatible(members: list[nn.Module]) -> bool:
@@ -151,25 +157,23 @@ class ProjectionGroup:
         if not members or len(kinds) != 1 or None in kinds or len({_has_lora(m) for m in members}) != 1:
             return False
         first = members[0]
-        if not _has_lora(first):
-            def plain(m):  # frozen only: a trained weight stacked would be a view the optimizer and saving see
-                data = m.weight_packed if hasattr(m, "weight_packed") else m.weight
-                frozen = not any(p.requires_grad for p in m.parameters(recurse=False))
-                return m.in_features, data.device, data.dtype, m.bias is None, frozen and m.out_features % 16 == 0
-
-            sigs = [plain(m) for m in members]
-            return sigs[0][-1] and all(s == sigs[0] for s in sigs)
-        if len(first.active_adapters) != 1:
+        lora = _has_lora(first)
+        if lora and len(first.active_adapters) != 1:
             return False
-        name = first.active_adapters[0]
+        name = first.active_adapters[0] if lora else None
 
         def signature(m):
-            base = m.base_layer
-            if name not in m.lora_A.keys() or list(m.active_adapters) != [name] or name in m.lora_variant:
-                return None
+            base = _base(m)
+            if lora:  # one adapter, of one rank and scaling
+                if name not in m.lora_A.keys() or list(m.active_adapters) != [name] or name in m.lora_variant:
+                    return None
+                own = (m.r[name], float(m.scaling[name]))
+            elif any(p.requires_grad for p in m.parameters(recurse=False)):
+                return None  # frozen only: a trained weight stacked would be a view the optimizer and saving see
+            else:
+                own = ()
             data = base.weight_packed if hasattr(base, "weight_packed") else base.weight
-            return (base.in_features, data.device, data.dtype, base.bias is None, m.r[name],
-                    float(m.scaling[name]), m.out_features % 16 == 0)
+            return (base.in_features, data.device, data.dtype, base.bias is None, *own, m.out_features % 16 == 0)
 
         sigs = [signature(m) for m in members]
         return sigs[0] is not None and sigs[0][-1] and all(s == sigs[0] for s in sigs)
@@ -256,7 +260,7 @@ class ProjectionGroup:
                         base._buffers[name] = base._buffers[name].clone()
                 elif not own:
                     base.weight.data = base.weight.data.clone()
-                if self.kind != "fp4" or not self.lora:
+                if self.patches_forward:
                     m.__dict__.pop("forward", None)
                 m.__dict__.pop("_qerl_group", None)
                 base.__dict__.pop("dense_copy", None)  # a view of the stacked copy dropped below

@@ -123,7 +123,7 @@ class PagedEngine(RolloutEngine):
         self._shadows: dict[int, torch.nn.Parameter] = {}  # id(adapter weight) -> its copy in lora_dtype
         self._groups: list = []
         if plain_projections not in (True, False):
-            raise QerlError(f"PagedEngine.plain_projections: expected True or False, got {{plain_projections!r}}")
+            raise QerlError(f"PagedEngine.plain_projections: expected True or False, got {plain_projections!r}")
         self.plain_projections = plain_projections
         if fuse_projections is True or (fuse_projections == "auto" and on_cuda):
             self.fuse_projections(("fp4", "dense"))

@@ -90,7 +90,7 @@ class TorchEngine(RolloutEngine):
         self._groups: list = []
         self.stats["projection_groups"] = 0
         if plain_projections not in (True, False):
-            raise QerlError(f"TorchEngine.plain_projections: expected True or False, got {{plain_projections!r}}")
+            raise QerlError(f"TorchEngine.plain_projections: expected True or False, got {plain_projections!r}")
         self.plain_projections = plain_projections
         if fuse_projections is True or (fuse_projections == "auto" and on_cuda):
             self.fuse_projections(("fp4", "dense"))

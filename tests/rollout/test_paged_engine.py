@@ -201,6 +201,8 @@ def test_bad_arguments_raise_one_line_errors(model_and_tok):
                       (dict(plain_projections="auto"), "plain_projections")):
         with pytest.raises(QerlError, match=field):
             PagedEngine(model, tok, **kw)
+    with pytest.raises(QerlError, match="plain_projections: expected True or False, got 'auto'"):
+        PagedEngine(model, tok, plain_projections="auto")  # the value itself in the line
     with pytest.raises(QerlError, match="prompt_ids"):
         PagedEngine(model, tok).generate([], 1)
 
